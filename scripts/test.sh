@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs everything the tests need on a fresh machine, then runs them.
+# torch is pinned to the CPU wheel first: an unpinned torch pulls a 5.5 GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q "torch==2.13.0"
+python3 -m pip install -q -e ".[test]"
+export OPENBLAS_NUM_THREADS=1
+python3 -m pytest -q "$@"

@@ -1,0 +1,25 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.modules.setdefault("fla", None)
+sys.path.insert(0, str(Path(__file__).parent))
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+@pytest.fixture(scope="session")
+def releases(tmp_path_factory):
+    """Built once per session: family -> (HF model in float32, release directory, converted container)."""
+    from fixtures import kimi_linear_model, qwen3_moe_model, save_release
+
+    from waste.convert.convert import convert
+
+    root = tmp_path_factory.mktemp("releases")
+    out = {}
+    for name, build in (("qwen3_moe", qwen3_moe_model), ("kimi_linear", kimi_linear_model)):
+        m = build()
+        src = save_release(m, root / name)
+        out[name] = (m, src, convert(src, root / f"{name}.waste", progress=False))
+    return out

@@ -1,0 +1,79 @@
+"""Tiny random Hugging Face checkpoints written by transformers' own save_pretrained (seeded, reproducible).
+
+Weights are rounded to bf16 first, so that the default bf16 container holds them exactly and the engine
+can be held to float32 accuracy against the oracle on the same weights.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.modules.setdefault("fla", None)   # the oracle must take transformers' pure-torch KDA paths on CPU
+
+from waste.convert.synthetic import write_tokenizer  # noqa: E402
+
+TOKENIZER_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+                  "The quick brown fox jumps over the lazy dog. Hello, world! 0123456789 ") * 4
+VOCAB = 384
+
+
+def _randomise(model, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.ndim == 1 or "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=g) * fan_in ** -0.5)
+        for name, b in sorted(model.named_buffers()):
+            if "e_score_correction_bias" in name:
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
+            # A_log / dt_bias are parameters in transformers' Kimi-Linear and were randomised above
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+        for name, b in model.named_buffers():   # saved buffers only: rotary inv_freq is computed, not stored
+            if "e_score_correction_bias" in name:
+                b.copy_(b.to(torch.bfloat16).to(b.dtype))
+
+
+def qwen3_moe_model(seed: int = 0, **over):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, mlp_only_layers=[0], rms_norm_eps=1e-6, max_position_embeddings=512,
+              tie_word_embeddings=False, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    kw.update(over)
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**kw), attn_implementation="eager",
+                                         experts_implementation="eager").float().eval()
+    _randomise(m, seed)
+    return m
+
+
+def kimi_linear_model(seed: int = 0, **over):
+    from transformers import AutoModelForCausalLM, KimiLinearConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=5,
+              num_attention_heads=4, num_key_value_heads=4,
+              linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                                  "kda_layers": [1, 2, 4], "full_attn_layers": [3, 5]},
+              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
+              num_experts_per_token=2, num_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.446,
+              pad_token_id=0, bos_token_id=1, eos_token_id=0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    kw.update(over)
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(KimiLinearConfig(**kw), attn_implementation="eager",
+                                         experts_implementation="eager").float().eval()
+    _randomise(m, seed)
+    return m
+
+
+def save_release(model, dst: Path) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst)
+    write_tokenizer(dst, TOKENIZER_TEXT, vocab_size=300)
+    return dst

@@ -1,0 +1,86 @@
+"""The command line as a user meets it: real subprocesses, clear errors, never a traceback."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def waste(*args, env=None, check=False):
+    e = dict(os.environ, **(env or {}))
+    p = subprocess.run([sys.executable, "-m", "waste", *map(str, args)], capture_output=True, text=True, env=e,
+                       timeout=600)
+    assert "Traceback" not in p.stderr, p.stderr
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+@pytest.fixture
+def damaged(tmp_path, releases):
+    dst = tmp_path / "copy.waste"
+    shutil.copytree(releases["kimi_linear"][2], dst)
+    return dst
+
+
+def test_missing_directory():
+    p = waste("run", "/nonexistent/model.waste", "hi")
+    assert p.returncode == 1 and "no such model: /nonexistent/model.waste" in p.stderr
+
+
+def test_convert_unsupported_family(tmp_path, releases):
+    src = tmp_path / "src"
+    shutil.copytree(releases["qwen3_moe"][1], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "falcon"
+    (src / "config.json").write_text(json.dumps(cfg))
+    p = waste("convert", src, tmp_path / "o.waste")
+    assert p.returncode == 1 and "unsupported model_type 'falcon'" in p.stderr and "kimi_linear" in p.stderr
+
+
+def test_truncated_bank_is_refused(damaged):
+    bank = damaged / "experts" / "layer_002.bank"
+    data = bank.read_bytes()
+    bank.write_bytes(data[:-5000])
+    p = waste("run", damaged, "hello", "-n", "2")
+    assert p.returncode == 1 and "layer_002.bank" in p.stderr and "truncated" in p.stderr
+    v = waste("verify", damaged, "-q")
+    assert v.returncode == 1 and "layer_002.bank" in v.stdout
+
+
+def test_flipped_byte_is_named_by_verify_and_refused_by_run(damaged):
+    c = json.loads((damaged / "manifest.json").read_text())
+    bank = damaged / "experts" / "layer_003.bank"
+    data = bytearray(bank.read_bytes())
+    header = os.path.getsize(bank) - 8 * c["experts"]["record_bytes"]
+    data[header + 5 * c["experts"]["record_bytes"] + 100] ^= 0x10     # expert 5, inside its payload
+    bank.write_bytes(bytes(data))
+    v = waste("verify", damaged, "-q")
+    assert v.returncode == 1
+    assert "experts/layer_003.bank (layer 3): expert record(s) 5 fail their checksum" in v.stdout
+    p = waste("run", damaged, "hello", "-n", "2")
+    assert p.returncode == 1 and "expert 5 of layer 3" in p.stderr and "checksum" in p.stderr
+
+
+def test_verify_and_info_on_a_good_container(releases):
+    c = releases["kimi_linear"][2]
+    assert "OK" in waste("verify", c, "-q", check=True).stdout
+    out = waste("info", c, check=True).stdout
+    for word in ("kimi_linear", "3 kda", "2 mla", "4 moe", "8 routed", "top-2", "2 shared", "active per token", "bf16"):
+        assert word in out, word
+    d = json.loads(waste("info", c, "--json", check=True).stdout)
+    assert d["params"]["total"] > d["params"]["active"] > 0
+
+
+def test_run_prints_text_then_stats(releases):
+    p = waste("run", releases["qwen3_moe"][2], "def f(x):", "-n", "8", check=True)
+    assert p.stdout.startswith("def f(x):")
+    assert "prompt" in p.stderr and "tok/s" in p.stderr and "experts" in p.stderr and "hit" in p.stderr
+
+
+def test_run_with_only_a_prompt_uses_the_default_model(tmp_path):
+    p = waste("run", "def fibonacci(n):", "-n", "4", env={"WASTE_CACHE_DIR": str(tmp_path)}, check=True)
+    assert p.stdout.startswith("def fibonacci(n):")
+    assert any(tmp_path.glob("*.waste/manifest.json"))

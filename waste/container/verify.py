@@ -1,0 +1,50 @@
+"""`waste verify`: every checksum of a container, naming each damaged part rather than stopping at the first."""
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+
+from ..errors import DamagedContainer, WasteError
+from .bank import BankFile
+from .manifest import read_manifest
+
+
+def verify(path, progress: bool = True) -> list[str]:
+    from tqdm import tqdm
+
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise WasteError(f"no such container directory: {root}")
+    try:
+        m = read_manifest(root)
+    except DamagedContainer as e:
+        return [str(e)]
+    problems = []
+    try:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(root / m["trunk"]["file"]))
+        for name, crc in m["trunk"]["crc32"].items():
+            t = tensors.get(name)
+            if t is None:
+                problems.append(f"trunk tensor {name} is missing")
+            elif zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) != crc:
+                problems.append(f"trunk tensor {name} fails its checksum")
+    except Exception as e:   # a truncated or garbled safetensors file
+        problems.append(f"trunk {m['trunk']['file']} cannot be read: {e}")
+    layers = m["experts"]["layers"]
+    for key, info in tqdm(sorted(layers.items(), key=lambda kv: int(kv[0])), desc="verifying banks",
+                          disable=not progress, unit="bank"):
+        try:
+            bank = BankFile(str(root / info["file"]))
+        except DamagedContainer as e:
+            problems.append(str(e))
+            continue
+        bad = bank.bad_records()
+        bank.close()
+        if bad:
+            shown = ", ".join(map(str, bad[:20])) + (" ..." if len(bad) > 20 else "")
+            problems.append(f"{info['file']} (layer {key}): expert record(s) {shown} fail their checksum")
+    return problems

@@ -1,0 +1,226 @@
+"""Family adapters: a release's config.json -> the engine's normalised config, and checkpoint
+tensor names -> trunk names or (layer, expert, matrix) slots in an expert bank.
+
+Trunk names are the checkpoint's names without the `model.` prefix, so a person can match a
+container tensor with the release's; only the MoE block is renamed to one spelling (`mlp.`).
+"""
+from __future__ import annotations
+
+import re
+
+from ..errors import WasteError
+
+EXPERT_MATRICES = ("gate", "up", "down")
+
+
+def _first(cfg: dict, *keys, default=None):
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def _eos_list(cfg: dict) -> list[int]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _rope_theta(cfg: dict) -> float:
+    rp = cfg.get("rope_parameters") or {}
+    return float(_first(cfg, "rope_theta", default=rp.get("rope_theta", 10000.0)))
+
+
+class Adapter:
+    family = ""
+    # checkpoint expert tensor name -> (layer, expert, matrix)
+    expert_re: re.Pattern
+    expert_names: dict[str, str]
+    keep_f32: tuple[str, ...] = ()   # trunk names (suffixes) stored in float32 whatever --trunk says
+
+    def __init__(self, hf: dict):
+        self.hf = hf
+        self.config = self.normalise(hf)
+
+    def normalise(self, hf: dict) -> dict:
+        raise NotImplementedError
+
+    def trunk_names(self) -> list[str]:
+        """Checkpoint names of every non-expert tensor the engine needs."""
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------
+    def _base(self, hf: dict, layers: list[dict]) -> dict:
+        return {
+            "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"], "num_layers": hf["num_hidden_layers"],
+            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6), "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "intermediate_size": hf.get("intermediate_size"), "bos_token_id": hf.get("bos_token_id"),
+            "eos_token_ids": _eos_list(hf), "max_position_embeddings": _first(hf, "max_position_embeddings", "model_max_length"),
+            "layers": layers,
+        }
+
+    def moe_layers(self) -> list[int]:
+        return [i for i, l in enumerate(self.config["layers"]) if l["mlp"] == "moe"]
+
+    def expected_expert_names(self) -> list[str]:
+        n = self.config["moe"]["num_experts"]
+        inv = {v: k for k, v in self.expert_names.items()}
+        return [self.expert_fmt.format(layer=i, expert=e, name=inv[m])
+                for i in self.moe_layers() for e in range(n) for m in EXPERT_MATRICES]
+
+    def classify_expert(self, name: str):
+        m = self.expert_re.fullmatch(name)
+        if not m:
+            return None
+        return int(m["layer"]), int(m["expert"]), self.expert_names[m["name"]]
+
+    def canonical(self, name: str) -> str:
+        """The spelling this adapter expects for a checkpoint name that releases write more than one way."""
+        return name
+
+    def trunk_target(self, name: str) -> str:
+        return name.removeprefix("model.")
+
+    def is_f32(self, trunk_name: str, ndim: int) -> bool:
+        return ndim == 1 or trunk_name.endswith(self.keep_f32)
+
+    def _dense_mlp(self, p: str) -> list[str]:
+        return [f"{p}.mlp.{m}_proj.weight" for m in EXPERT_MATRICES]
+
+    def _edges(self) -> list[str]:
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.config["tie_word_embeddings"]:
+            names.append("lm_head.weight")
+        return names
+
+
+class Qwen3MoeAdapter(Adapter):
+    family = "qwen3_moe"
+    expert_re = re.compile(r"model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<name>gate_proj|up_proj|down_proj)\.weight")
+    expert_fmt = "model.layers.{layer}.mlp.experts.{expert}.{name}.weight"
+    expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    keep_f32 = ("mlp.gate.weight",)
+
+    def normalise(self, hf):
+        n_layers = hf["num_hidden_layers"]
+        n_exp = _first(hf, "num_experts", "num_local_experts", default=0)
+        only = set(hf.get("mlp_only_layers") or [])
+        step = hf.get("decoder_sparse_step", 1) or 1
+        layers = [{"attn": "gqa", "mlp": "moe" if (i not in only and n_exp > 0 and (i + 1) % step == 0) else "dense"}
+                  for i in range(n_layers)]
+        heads = hf["num_attention_heads"]
+        cfg = self._base(hf, layers)
+        cfg["gqa"] = {"num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads", heads),
+                      "head_dim": _first(hf, "head_dim", default=hf["hidden_size"] // heads),
+                      "rope_theta": _rope_theta(hf), "qk_norm": True, "bias": bool(hf.get("attention_bias", False))}
+        if (hf.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
+            raise WasteError(f"qwen3_moe with rope_scaling {hf['rope_scaling']} is not supported yet")
+        if hf.get("use_sliding_window"):
+            raise WasteError("qwen3_moe with use_sliding_window=true is not supported yet")
+        cfg["moe"] = {"num_experts": n_exp, "top_k": _first(hf, "num_experts_per_tok", "num_experts_per_token"),
+                      "intermediate_size": hf["moe_intermediate_size"], "scoring": "softmax",
+                      "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "routed_scaling_factor": 1.0,
+                      "num_shared_experts": 0, "n_group": 1, "topk_group": 1, "correction_bias": False}
+        return cfg
+
+    def trunk_names(self):
+        names = self._edges()
+        for i, l in enumerate(self.config["layers"]):
+            p = f"model.layers.{i}"
+            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+            names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
+            if self.config["gqa"]["bias"]:
+                names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
+            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+            names += [f"{p}.mlp.gate.weight"] if l["mlp"] == "moe" else self._dense_mlp(p)
+        return names
+
+
+class KimiLinearAdapter(Adapter):
+    family = "kimi_linear"
+    expert_re = re.compile(r"model\.layers\.(?P<layer>\d+)\.block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<name>w1|w2|w3)\.weight")
+    expert_fmt = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}.weight"
+    expert_names = {"w1": "gate", "w3": "up", "w2": "down"}
+    keep_f32 = ("mlp.gate.weight", "A_log", "dt_bias", "e_score_correction_bias")
+
+    _dense_alias = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)")
+
+    def canonical(self, name):
+        # transformers' save_pretrained writes the dense layer's MLP under block_sparse_moe too
+        return self._dense_alias.sub(r"\1.mlp.\2", name)
+
+    def trunk_target(self, name):
+        return name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+
+    def normalise(self, hf):
+        n = hf["num_hidden_layers"]
+        lac = hf.get("linear_attn_config") or {}
+        if hf.get("layer_types"):
+            kinds = ["kda" if t == "linear_attention" else "mla" for t in hf["layer_types"]]
+        else:  # the release's lists are 1-indexed (architectures.md §1.6)
+            kda = set(lac.get("kda_layers") or [])
+            kinds = ["kda" if (i + 1) in kda else "mla" for i in range(n)]
+        if hf.get("mlp_layer_types"):
+            mlps = ["moe" if t == "sparse" else "dense" for t in hf["mlp_layer_types"]]
+        else:
+            fk = hf.get("first_k_dense_replace", 0)
+            mlps = ["dense" if i < fk else "moe" for i in range(n)]
+        cfg = self._base(hf, [{"attn": a, "mlp": m} for a, m in zip(kinds, mlps)])
+        heads = hf["num_attention_heads"]
+        cfg["mla"] = {"num_heads": heads, "q_lora_rank": hf.get("q_lora_rank"), "kv_lora_rank": hf["kv_lora_rank"],
+                      "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
+                      "v_head_dim": hf["v_head_dim"], "rope": None,
+                      "norm_eps": 1e-6}   # transformers' kv_a_layernorm keeps RMSNorm's default eps
+        cfg["kda"] = {"num_heads": _first(lac, "num_heads", default=hf.get("linear_num_heads")),
+                      "head_dim": _first(lac, "head_dim", default=hf.get("linear_head_dim")),
+                      "conv_kernel": _first(lac, "short_conv_kernel_size", default=hf.get("linear_conv_kernel_dim", 4))}
+        n_exp = _first(hf, "num_experts", "num_local_experts")
+        n_shared = _first(hf, "num_shared_experts", "n_shared_experts", default=0)
+        act = hf.get("moe_router_activation_func", "sigmoid")
+        if act != "sigmoid":
+            raise WasteError(f"kimi_linear with moe_router_activation_func={act!r} is not supported (only sigmoid)")
+        cfg["moe"] = {"num_experts": n_exp, "top_k": _first(hf, "num_experts_per_token", "num_experts_per_tok"),
+                      "intermediate_size": hf["moe_intermediate_size"], "scoring": "sigmoid",
+                      "norm_topk_prob": bool(_first(hf, "moe_renormalize", "norm_topk_prob", default=True)),
+                      "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+                      "num_shared_experts": n_shared, "shared_intermediate_size": hf["moe_intermediate_size"] * n_shared,
+                      "n_group": _first(hf, "num_expert_group", "n_group", default=1),
+                      "topk_group": _first(hf, "topk_group", default=1), "correction_bias": True}
+        return cfg
+
+    def trunk_names(self):
+        names = self._edges()
+        c = self.config
+        for i, l in enumerate(c["layers"]):
+            p = f"model.layers.{i}"
+            a = f"{p}.self_attn"
+            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+            if l["attn"] == "kda":
+                names += [f"{a}.{x}_proj.weight" for x in "qkvo"] + [f"{a}.{x}_conv1d.weight" for x in "qkv"]
+                names += [f"{a}.{x}.weight" for x in ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm")]
+                names += [f"{a}.A_log", f"{a}.dt_bias"]
+            else:
+                if c["mla"]["q_lora_rank"]:
+                    names += [f"{a}.q_a_proj.weight", f"{a}.q_a_layernorm.weight", f"{a}.q_b_proj.weight"]
+                else:
+                    names += [f"{a}.q_proj.weight"]
+                names += [f"{a}.{x}.weight" for x in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
+            if l["mlp"] == "moe":
+                m = f"{p}.block_sparse_moe"
+                names += [f"{m}.gate.weight", f"{m}.gate.e_score_correction_bias"]
+                if c["moe"]["num_shared_experts"]:
+                    names += [f"{m}.shared_experts.{x}_proj.weight" for x in EXPERT_MATRICES]
+            else:
+                names += self._dense_mlp(p)
+        return names
+
+
+ADAPTERS = {a.family: a for a in (Qwen3MoeAdapter, KimiLinearAdapter)}
+
+
+def adapter_for(hf: dict) -> Adapter:
+    mt = hf.get("model_type")
+    if mt not in ADAPTERS:
+        raise WasteError(f"unsupported model_type {mt!r}; waste can convert: {', '.join(ADAPTERS)}")
+    return ADAPTERS[mt](hf)

@@ -1,0 +1,33 @@
+"""MoE routers: which experts each token goes to, and with what weight. Routing math in float32."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """Qwen3-MoE / Mixtral: softmax over all experts, top-k, optional renormalisation."""
+    logits = F.linear(x.float(), weight.float())
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    w, idx = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, idx
+
+
+def sigmoid_grouped_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                         n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float):
+    """DeepSeek-V3 / Kimi (noaux_tc): sigmoid scores; the correction bias chooses, the scores weigh."""
+    scores = torch.sigmoid(F.linear(x.float(), weight.float()))
+    choice = scores + bias.float() if bias is not None else scores
+    n, E = choice.shape
+    if n_group > 1:
+        group_scores = choice.view(n, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False)[1], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    idx = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, idx)
+    if norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scaling, idx
