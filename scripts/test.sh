@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".[test]"
 export OPENBLAS_NUM_THREADS=1
-python3 -m pytest -q "$@"
+python3 -m pytest "$@"

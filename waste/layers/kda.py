@@ -135,7 +135,7 @@ def _decayed_scores(qs: list[Tensor], k: Tensor, G: Tensor, sub: int) -> list[Te
 
 
 def kda_chunked(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, chunk: int = CHUNK, sub: int = 16
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, chunk: int = CHUNK, sub: int = 8
 ) -> tuple[Tensor, Tensor]:
     """The same recurrence as kda_recurrent, computed chunk by chunk (same arguments and results).
 
