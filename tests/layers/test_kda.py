@@ -180,12 +180,12 @@ def test_chunked_equals_recurrence_from_a_state():
     k = torch.nn.functional.normalize(torch.randn(T, H, d, generator=g, dtype=torch.float64), dim=-1)
     v = torch.randn(T, H, dv, generator=g, dtype=torch.float64)
     gate = -torch.rand(T, H, d, generator=g, dtype=torch.float64) * 0.3
-    gate[40] = -30.0  # a near-total reset inside a chunk must not overflow the chunked form
+    gate[30:50] = -100.0  # cumulative log-decay down to -2000 inside a chunk: exp(-G) would overflow float64
     beta = torch.rand(T, H, generator=g, dtype=torch.float64)
     S0 = torch.randn(H, d, dv, generator=g, dtype=torch.float64)
     o_r, S_r = kda_recurrent(q, k, v, gate, beta, S0)
-    for chunk in (64, 16, 7):
-        o_c, S_c = kda_chunked(q, k, v, gate, beta, S0, chunk=chunk)
+    for chunk, sub in ((64, 8), (64, 16), (64, 64), (16, 4), (7, 3)):
+        o_c, S_c = kda_chunked(q, k, v, gate, beta, S0, chunk=chunk, sub=sub)
         assert torch.isfinite(o_c).all()
         assert rel(o_c, o_r) < 1e-12 and rel(S_c, S_r) < 1e-12
 
@@ -221,3 +221,14 @@ def test_decode_takes_the_recurrent_form(tiny, monkeypatch):
     _, state = kda_forward(x[:2], w, kcfg)
     monkeypatch.setattr(kda, "kda_chunked", None)
     kda_forward(x[2:], w, kcfg, state)
+
+
+def test_bfloat16_runs_with_a_float32_state(tiny):
+    _, kcfg, layers = tiny
+    w, _ = layers[1][torch.float64]
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(70), dtype=torch.float64)
+    expect, _ = kda_forward(x, w, kcfg)
+    wb = {k: v.bfloat16() for k, v in w.items()}
+    out, state = mine_in_pieces(x.bfloat16(), wb, kcfg, [66, 1, 1, 1, 1])
+    assert out.dtype == torch.bfloat16 and state.S.dtype == torch.float32 and state.conv_q.dtype == torch.bfloat16
+    assert rel(out, expect) < 3e-2  # bf16 weights and activations: a few ulps of 2^-8

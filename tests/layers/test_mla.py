@@ -219,3 +219,19 @@ def test_decode_takes_the_absorbed_form(tiny, monkeypatch):
     _, cache = mla_forward(x[:2], w, mla_config(cfg))
     monkeypatch.setattr(mla, "_attend_naive", None)
     mla_forward(x[2:], w, mla_config(cfg), cache)
+
+
+def test_bfloat16_runs(tiny):
+    cfg, layer, _ = tiny
+    w, _ = layer[torch.float64]
+    mcfg = mla_config(cfg)
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(70), dtype=torch.float64)
+    expect, _ = mla_forward(x, w, mcfg)
+    wb = {k: v.bfloat16() for k, v in w.items()}
+    out, cache = mla_forward(x[:66].bfloat16(), wb, mcfg)
+    outs = [out]
+    for t in range(66, 70):
+        out, cache = mla_forward(x[t : t + 1].bfloat16(), wb, mcfg, cache)
+        outs.append(out)
+    assert outs[-1].dtype == cache.c_kv.dtype == torch.bfloat16
+    assert rel(torch.cat(outs), expect) < 3e-2  # bf16 weights and activations: a few ulps of 2^-8

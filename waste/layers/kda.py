@@ -186,9 +186,9 @@ def kda_forward(
     q, conv_q = short_conv(_linear(x, w["q_proj.weight"]), w["q_conv1d.weight"], state.conv_q)
     k, conv_k = short_conv(_linear(x, w["k_proj.weight"]), w["k_conv1d.weight"], state.conv_k)
     v, conv_v = short_conv(_linear(x, w["v_proj.weight"]), w["v_conv1d.weight"], state.conv_v)
-    q = _l2norm(q.to(cd).view(T, H, d)) * d**-0.5
-    k = _l2norm(k.to(cd).view(T, H, d))
-    v = v.to(cd).view(T, H, d)
+    q = _l2norm(q.to(cd).reshape(T, H, d)) * d**-0.5
+    k = _l2norm(k.to(cd).reshape(T, H, d))
+    v = v.to(cd).reshape(T, H, d)
     g = kda_gate(x, w, cfg, cd)
     beta = torch.sigmoid(_linear(x, w["b_proj.weight"]).to(cd))
 

@@ -114,8 +114,7 @@ class Tokenizer:
             end = pos + len(s.text)
             if s.kind in (QUOTED, BREAK):
                 hard.update((pos, end))
-                if s.kind == QUOTED and s.text:
-                    quoted.append(pos)
+                quoted.extend(range(pos, end))  # caller's control-token text: a handful of chars
             elif s.kind == MARKUP and s.text:
                 if markup and markup[-1][1] == pos:
                     markup[-1] = (markup[-1][0], end)
@@ -131,7 +130,7 @@ class Tokenizer:
 
         quoted, ids, bounds = set(quoted), [], sorted(hard)
         for a, b in zip(bounds, bounds[1:]):
-            if a in quoted:  # a caller's control-token text: plain text, alone
+            if a in quoted:  # a caller's control-token text (or a cut piece of it): plain text, alone
                 ids += self._encode_plain(full[a:b], a == 0)
             else:
                 ids += self._encode_run(full, a, b, control, in_markup)
@@ -182,9 +181,17 @@ class HFTokenizer(Tokenizer):
         # run that follows a control token is encoded by a copy that never prepends.
         rest = _never_prepend(plain)
         self._plain_rest = Backend.from_str(json.dumps(rest)) if rest is not plain else self._plain_first
-        added = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
-        special = {t["content"] for t in data.get("added_tokens", []) if t.get("special")}
-        flags = {t["content"]: (bool(t.get("lstrip")), bool(t.get("rstrip"))) for t in data.get("added_tokens", [])}
+        tokens = data.get("added_tokens") or []
+        for t in tokens:
+            # matched on the raw text here: refuse what would match differently in the library
+            if t.get("single_word"):
+                raise TextError(f"added token {t['content']!r} is single_word, which this engine does not match")
+            norm = self._full.normalizer
+            if t.get("normalized") and norm is not None and norm.normalize_str(t["content"]) != t["content"]:
+                raise TextError(f"added token {t['content']!r} is matched after normalization, which changes it")
+        added = {t["content"]: t["id"] for t in tokens}
+        special = {t["content"] for t in tokens if t.get("special")}
+        flags = {t["content"]: (bool(t.get("lstrip")), bool(t.get("rstrip"))) for t in tokens}
         super().__init__(added, special, config, flags)
 
     def _encode_plain(self, text, first):
@@ -233,12 +240,14 @@ class TiktokenTokenizer(Tokenizer):
         return kimi_cuts(text)
 
     def token_bytes(self, token_id: int) -> bytes:
+        """A token's bytes; b"" for an id outside the vocabulary (a padded lm_head can emit one)."""
         if token_id in self._id_to_special:
             return self._id_to_special[token_id].encode()
-        return self._enc.decode_single_token_bytes(token_id)
+        return self._enc.decode_single_token_bytes(token_id) if 0 <= token_id < self._n_ranks else b""
 
     def decode(self, ids, skip_special=False):
-        ids = [int(i) for i in ids if not (skip_special and int(i) in self._skip)]
+        n = self._enc.n_vocab
+        ids = [int(i) for i in ids if 0 <= int(i) < n and not (skip_special and int(i) in self._skip)]
         return self._enc.decode_bytes(ids).decode("utf-8", "replace")
 
     def id_to_token(self, token_id):
@@ -311,6 +320,8 @@ def load_tokenizer(directory) -> Tokenizer:
     data = _read_json(d / "tokenizer.json")
     try:
         return HFTokenizer(data, config)
+    except TextError as e:
+        raise TextError(f"{d / 'tokenizer.json'}: {e}") from None
     except Exception as e:  # the tokenizers library's own parse errors
         raise TextError(f"{d / 'tokenizer.json'}: the tokenizers library cannot load it ({e})") from e
 
@@ -399,6 +410,7 @@ def _tiktoken_pattern(d: Path, config: dict) -> str:
 
 def _never_prepend(data: dict) -> dict:
     """`data` with Metaspace prepend_scheme "first" made "never" (or `data` itself if none)."""
+
     def fix(node):
         if isinstance(node, dict):
             if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
@@ -413,8 +425,8 @@ def _never_prepend(data: dict) -> dict:
             return [v for v, _ in items], any(c for _, c in items)
         return node, False
 
-    out, changed = fix(data)
-    return out if changed else data
+    pre, changed = fix(data.get("pre_tokenizer"))
+    return dict(data, pre_tokenizer=pre) if changed else data
 
 
 def _token_content(value):
