@@ -60,8 +60,12 @@ def test_flipped_byte_is_named_by_verify_and_refused_by_run(damaged):
     v = waste("verify", damaged, "-q")
     assert v.returncode == 1
     assert "experts/layer_003.bank (layer 3): expert record(s) 5 fail their checksum" in v.stdout
-    p = waste("run", damaged, "hello", "-n", "2")
-    assert p.returncode == 1 and "expert 5 of layer 3" in p.stderr and "checksum" in p.stderr
+    for e in range(8):   # damage every expert of the layer, so that whichever a token routes to is caught
+        data[header + e * c["experts"]["record_bytes"] + 100] ^= 0x10 if e != 5 else 0
+    bank.write_bytes(bytes(data))
+    for preload in ("0", "1"):
+        p = waste("run", damaged, "hello", "-n", "2", env={"WASTE_PRELOAD": preload})
+        assert p.returncode == 1 and "of layer 3" in p.stderr and "checksum" in p.stderr
 
 
 def test_verify_and_info_on_a_good_container(releases):

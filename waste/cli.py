@@ -7,13 +7,7 @@ import sys
 
 from . import __version__
 from .errors import WasteError
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
+from .units import fmt_bytes as _fmt_bytes
 
 
 def _fmt_count(n: float) -> str:
@@ -64,11 +58,58 @@ def cmd_verify(a):
     print(f"OK: every checksum in {a.model} matches")
 
 
-def cmd_run(a):
+def _load(a, model):
     from .engine import Engine
 
+    return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
+                       preload=False if a.no_preload else None)
+
+
+def _engine_args(p):
+    p.add_argument("--budget", default=None, help="expert cache size (bytes or K/M/G suffix); default: the memory plan")
+    p.add_argument("--context", type=int, default=4096, help="context length the memory plan reserves (default 4096)")
+    p.add_argument("--threads", type=int, default=4, help="expert reader threads (default 4)")
+    p.add_argument("--no-preload", action="store_true",
+                   help="no background fill of the cache when the whole bank fits (also WASTE_PRELOAD=0)")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+
+
+def cmd_plan(a):
+    import torch
+
+    from .container import open_container
+    from .engine import resolve_dtype
+    from .runtime.plan import plan_memory
+    from .units import parse_size
+
+    c = open_container(a.model)
+    p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
+                    None if a.budget is None else parse_size(a.budget))
+    if a.json:
+        print(json.dumps(p.to_json(), indent=1))
+    else:
+        print("\n".join(p.lines()))
+    if p.warning:
+        print(f"waste: warning: {p.warning}", file=sys.stderr)
+    del torch
+
+
+def cmd_bench(a):
+    from .runtime.bench import bench, report_lines
+
+    eng = _load(a, a.model)
+    try:
+        r = bench(eng, n=a.n, prompt_len=a.prompt_len)
+    finally:
+        eng.close()
+    print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
+
+
+def cmd_run(a):
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else (a.args[0], " ".join(a.args[1:]))
-    eng = Engine.load(model, dtype=a.dtype)
+    eng = _load(a, model)
+    if eng.plan.warning:
+        print(f"waste: warning: {eng.plan.warning}", file=sys.stderr)
     g = eng.generate(prompt, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                      min_p=a.min_p, seed=a.seed, stop=a.stop, stream=True)
     sys.stdout.write(prompt)
@@ -105,8 +146,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-p", type=float, default=0.0)
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    r.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+    _engine_args(r)
     r.set_defaults(fn=cmd_run)
+
+    pl = sub.add_parser("plan", help="print the memory plan: floor, working set, bank, the chosen expert budget")
+    pl.add_argument("model")
+    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--ram", default=None, help="plan as if the machine had this much memory")
+    pl.add_argument("--context", type=int, default=4096)
+    pl.add_argument("--budget", default=None, help="check a budget instead of choosing one")
+    pl.add_argument("--dtype", default="auto")
+    pl.set_defaults(fn=cmd_plan)
+
+    b = sub.add_parser("bench", help="measure prefill and decode speed, cache hit rate and bytes read")
+    b.add_argument("model")
+    b.add_argument("-n", type=int, default=64, help="tokens to decode (default 64)")
+    b.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    b.add_argument("--json", action="store_true")
+    _engine_args(b)
+    b.set_defaults(fn=cmd_bench)
 
     i = sub.add_parser("info", help="describe a container")
     i.add_argument("model")

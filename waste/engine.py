@@ -12,7 +12,9 @@ import torch
 from .container import Container, open_container
 from .errors import WasteError
 from .models import build_model
-from .runtime.experts import ResidentExperts
+from .runtime.cache import ExpertCache
+from .runtime.plan import MemoryPlan, plan_memory
+from .units import parse_size
 from .runtime.sampling import Sampler, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -131,8 +133,9 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, container: Container, model, tokenizer, experts, dtype: torch.dtype):
+    def __init__(self, container: Container, model, tokenizer, experts, dtype: torch.dtype, plan: MemoryPlan | None = None):
         self.container, self.model, self.tokenizer, self.experts, self.dtype = container, model, tokenizer, experts, dtype
+        self.plan = plan
         self.eos_ids = set(container.config.get("eos_token_ids") or [])
         gen = container.text_file("generation_config")
         if gen and gen.is_file():
@@ -140,21 +143,31 @@ class Engine:
             self.eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     @classmethod
-    def load(cls, path=None, dtype: str = "auto", verify: bool = True) -> "Engine":
+    def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
+             preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True) -> "Engine":
+        """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
+        WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits)."""
         if path is None:
             from .default_model import default_model_path
 
             path = default_model_path()
         container = open_container(path)
-        dt = resolve_dtype(dtype, container)
-        from .text.tokenizer import load_tokenizer
+        try:
+            dt = resolve_dtype(dtype, container)
+            plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
+                               None if budget is None else parse_size(budget))
+            from .text.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(container.root)
-        trunk = container.load_trunk(verify=verify)
-        experts = ResidentExperts(container, dt, verify=verify)
-        f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()
-        model = build_model(container.family, container.config, trunk, experts, dt, f32)
-        return cls(container, model, tokenizer, experts, dt)
+            tokenizer = load_tokenizer(container.root)
+            trunk = container.load_trunk(verify=verify)
+            experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
+                                  direct=direct)
+            f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()
+            model = build_model(container.family, container.config, trunk, experts, dt, f32)
+        except BaseException:
+            container.close()
+            raise
+        return cls(container, model, tokenizer, experts, dt, plan)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -171,4 +184,11 @@ class Engine:
         return g
 
     def close(self) -> None:
+        self.experts.close()
         self.container.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,131 @@
+"""The expert cache and the memory plan: identical output whatever the budget, counters that add up."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import waste
+from waste.errors import WasteError
+from waste.runtime.plan import plan_memory
+from waste.units import parse_size
+
+FAMILY = "kimi_linear"
+
+
+def run(container, prompt_ids, n=12, **kw):
+    with waste.load(container, dtype="float32", **kw) as eng:
+        eng.eos_ids = set()
+        m = eng.model
+        st = m.new_state()
+        logits = [m.forward(torch.tensor(prompt_ids), st, 0)]
+        toks, pos = [], len(prompt_ids)
+        for _ in range(n):
+            toks.append(int(logits[-1][-1].argmax()))
+            logits.append(m.forward(torch.tensor(toks[-1:]), st, pos))
+            pos += 1
+        eng.experts.wait_fill()
+        return toks, torch.cat(logits), eng.experts.stats, eng.plan, eng.experts
+
+
+@pytest.fixture(scope="module")
+def reference(releases):
+    c = releases[FAMILY][2]
+    ids = list(range(5, 45))
+    return c, ids, run(c, ids, budget="1G", preload=False)
+
+
+@pytest.mark.parametrize("budget_sets,preload,threads", [
+    (1, False, 1), (1, False, 2), (2, False, 4), (2, True, 1), (4, True, 2), (None, True, 4), (None, False, 1)])
+def test_output_is_bit_identical_across_budgets_fill_and_reader_threads(reference, budget_sets, preload, threads):
+    c, ids, (toks0, logits0, *_) = reference
+    plan = reference[2][3]
+    budget = None if budget_sets is None else budget_sets * plan.working_set_bytes
+    toks, logits, stats, _, cache = run(c, ids, budget=budget, preload=preload, threads=threads)
+    assert toks == toks0
+    assert torch.equal(logits, logits0)
+    if budget_sets == 1:
+        assert stats.misses > 0 and stats.evictions > 0   # the small budget really streamed
+
+
+def test_tokens_identical_with_one_and_two_compute_threads(reference):
+    """MKL's sgemm blocks small row counts differently by thread count (docs/LEARNED.md §3), so the last bits of
+    a prefill may move; the decisions must not."""
+    c, ids, (toks0, logits0, *_) = reference
+    saved = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            toks, logits, *_ = run(c, ids, budget=reference[2][3].working_set_bytes, preload=False)
+            assert toks == toks0
+            assert torch.equal(logits.argmax(-1), logits0.argmax(-1))
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_counters_add_up_under_one_working_set(releases):
+    c = releases[FAMILY][2]
+    with waste.load(c, dtype="float32", budget="1G", preload=False) as probe:
+        ws = probe.plan.working_set_bytes
+        record = probe.plan.record_bytes
+    ids = list(range(5, 30))
+    toks, _, stats, plan, cache = run(c, ids, n=10, budget=ws, preload=False)
+    assert cache.n_slots == ws // record and cache.budget_bytes == ws
+    # every (layer, call) asks for its distinct experts once: hits + misses is the number of requests
+    per_layer = stats.per_layer
+    assert sum(h + m for h, m in per_layer.values()) == stats.hits + stats.misses
+    assert stats.bytes_read == stats.misses * record
+    assert stats.evictions == stats.misses - cache.n_slots      # cold start: the first n_slots misses fill free slots
+    assert cache.resident_count() == cache.n_slots
+    assert stats.read_seconds > 0 and cache.fill_bytes == 0
+
+
+def test_background_fill_loads_the_whole_bank_and_counts_apart(releases):
+    c = releases[FAMILY][2]
+    with waste.load(c, dtype="float32", preload=True) as eng:
+        eng.experts.wait_fill()
+        cache = eng.experts
+        assert cache.resident_count() == cache.n_records
+        assert cache.fill_bytes + cache.stats.bytes_read == cache.n_records * cache.record_bytes
+        hits0, misses0 = cache.stats.hits, cache.stats.misses
+        eng.generate("def f(x):", max_tokens=4)
+        assert cache.stats.misses == misses0 and cache.stats.hits > hits0
+
+
+def test_plan_ladder_and_refusal(releases):
+    c = releases[FAMILY][2]
+    with waste.load(c, dtype="float32", preload=False) as eng:
+        cont, dt = eng.container, eng.dtype
+        full = plan_memory(cont, dt, 512)
+        assert full.resident and full.budget_bytes == full.bank_bytes
+        assert full.working_set_bytes == cont.config["moe"]["top_k"] * full.record_bytes * 4
+        # as if the machine had just enough for the floor plus two working sets under the 3/4 ceiling
+        ram = int((full.floor_bytes + 2 * full.working_set_bytes) / 0.75) + 4096
+        two = plan_memory(cont, dt, 512, ram=ram)
+        assert two.budget_bytes == 2 * two.working_set_bytes and not two.resident
+        assert two.floor_bytes + two.budget_bytes <= two.ceiling_bytes
+        with pytest.raises(WasteError, match="not enough memory.*floor.*working set"):
+            plan_memory(cont, dt, 512, ram=int(full.floor_bytes / 0.75))
+        forced = plan_memory(cont, dt, 512, ram=ram, budget=full.bank_bytes)
+        assert forced.budget_bytes == full.bank_bytes and "above 3/4" in forced.warning
+
+
+def test_parse_size():
+    assert parse_size("8G") == 8 << 30 and parse_size("512M") == 512 << 20 and parse_size("1234") == 1234
+    assert parse_size("1.5K") == 1536
+    with pytest.raises(WasteError):
+        parse_size("lots")
+
+
+def test_plan_and_bench_cli(releases):
+    c = releases[FAMILY][2]
+    p = subprocess.run([sys.executable, "-m", "waste", "plan", str(c), "--json", "--context", "256"],
+                       capture_output=True, text=True, check=True)
+    d = json.loads(p.stdout)
+    assert {"floor_bytes", "working_set_bytes", "bank_bytes", "budget_bytes", "reason"} <= set(d)
+    p = subprocess.run([sys.executable, "-m", "waste", "bench", str(c), "-n", "4", "--prompt-len", "16", "--json",
+                        "--budget", str(2 * d["working_set_bytes"])], capture_output=True, text=True, check=True)
+    b = json.loads(p.stdout)
+    assert b["decode"]["tokens"] == 4 and b["disk_bandwidth_gb_per_s"] > 0
+    assert b["decode"]["bytes_read"] == b["decode"]["misses"] * b["record_bytes"]

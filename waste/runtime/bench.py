@@ -1,0 +1,80 @@
+"""`waste bench`: prefill and decode speed with the expert cache's counters, beside the I/O bound."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..units import fmt_bytes
+from .bankio import measure_direct_bandwidth
+
+BENCH_TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
+              "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+              "The expert cache keeps the most useful experts in memory and reads the rest from disk. ")
+
+
+def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0) -> dict:
+    tok = engine.tokenizer
+    ids = []
+    while len(ids) < prompt_len:
+        ids += tok.encode(BENCH_TEXT)
+    ids = ids[:prompt_len]
+    model, cache = engine.model, engine.experts
+    state = model.new_state()
+
+    def counters():
+        s = cache.stats
+        return s.hits, s.misses, s.bytes_read, s.read_seconds
+
+    c0 = counters()
+    t0 = time.perf_counter()
+    logits = model.forward(torch.tensor(ids), state, 0, last_only=True)[-1]
+    t1 = time.perf_counter()
+    c1 = counters()
+    pos = len(ids)
+    for _ in range(n):
+        nxt = int(torch.argmax(logits))
+        logits = model.forward(torch.tensor([nxt]), state, pos, last_only=True)[-1]
+        pos += 1
+    t2 = time.perf_counter()
+    c2 = counters()
+    banks = list(engine.container.banks.values())
+    bw, direct = measure_direct_bandwidth(max(banks, key=lambda b: b.num_experts * b.record_bytes), bw_seconds) \
+        if banks else (0.0, False)
+    rec = cache.record_bytes
+
+    def phase(a, b, seconds, tokens):
+        hits, misses, nbytes, rsec = (y - x for x, y in zip(a, b))
+        bound = misses * rec / bw if bw else 0.0
+        return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds if seconds else 0.0,
+                "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+                "bytes_read": nbytes, "read_seconds": rsec, "read_gb_per_s": nbytes / rsec / 1e9 if rsec else 0.0,
+                "io_bound_seconds": bound, "io_bound_tok_per_s": tokens / bound if bound else None}
+
+    plan = engine.plan
+    return {
+        "model": str(engine.container.root), "family": engine.container.family, "dtype": str(engine.dtype),
+        "threads": torch.get_num_threads(), "budget_bytes": cache.budget_bytes, "bank_bytes": plan.bank_bytes,
+        "working_set_bytes": plan.working_set_bytes, "record_bytes": rec,
+        "read_mode": "O_DIRECT" if cache.direct else "buffered + FADV_DONTNEED",
+        "disk_bandwidth_gb_per_s": bw / 1e9, "disk_bandwidth_mode": "O_DIRECT" if direct else "buffered (O_DIRECT refused)",
+        "background_fill_bytes": cache.fill_bytes, "evictions": cache.stats.evictions,
+        "prefill": phase(c0, c1, t1 - t0, len(ids)), "decode": phase(c1, c2, t2 - t1, n),
+    }
+
+
+def report_lines(r: dict) -> list[str]:
+    out = [f"model        {r['model']} ({r['family']}, {r['dtype']}, {r['threads']} threads)",
+           f"cache        budget {fmt_bytes(r['budget_bytes'])} of a {fmt_bytes(r['bank_bytes'])} bank "
+           f"({r['budget_bytes'] / r['working_set_bytes']:.2f} working sets); reads: {r['read_mode']}"
+           if r["working_set_bytes"] else "cache        no routed experts",
+           f"disk         {r['disk_bandwidth_gb_per_s']:.2f} GB/s sequential ({r['disk_bandwidth_mode']}, on the largest bank)"]
+    for name in ("prefill", "decode"):
+        p = r[name]
+        bound = (f"I/O bound {p['io_bound_tok_per_s']:.1f} tok/s ({p['misses']} misses x record / disk)"
+                 if p["io_bound_tok_per_s"] else "I/O bound: none (no misses)")
+        out.append(f"{name:<12} {p['tokens']} tok in {p['seconds']:.2f} s = {p['tok_per_s']:.2f} tok/s | "
+                   f"hit {100 * p['hit_rate']:.1f}% ({p['hits']} hit / {p['misses']} miss) | read "
+                   f"{fmt_bytes(p['bytes_read'])} at {p['read_gb_per_s']:.2f} GB/s | {bound}")
+    out.append(f"fill         background fill read {fmt_bytes(r['background_fill_bytes'])}; evictions {r['evictions']}")
+    return out

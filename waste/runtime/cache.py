@@ -1,0 +1,223 @@
+"""The expert cache: a budgeted slab of record-sized slots in front of the bank files.
+
+- One preallocated, page-aligned slab; (layer, expert) -> slot. A record is read once, straight into its
+  slot (bankio), and unpacked from there each time it is used.
+- Eviction is LFRU: every slot carries a frequency that decays with a half-life of `half_life` tokens and
+  grows by one per use, so a slot's score is "how often, lately". The lowest score is evicted; ties go to
+  the least recently used. Half-life -> 0 is LRU, -> infinity is LFU (docs/LEARNED.md compares them).
+- A layer call asks for all the experts it needs at once: hits are computed while the misses are read by
+  a pool of threads (pread releases the GIL); when every record is resident nothing waits on I/O.
+- When the whole bank fits in the budget, a background fill walks the banks in file order and fills empty
+  slots. It never evicts and never counts a hit or a miss; its bytes are counted apart.
+- The sum over experts is always taken in ascending expert id, so outputs are bit-identical whatever the
+  budget, the fill, or the order in which reads complete.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ..container import Container
+from ..errors import WasteError
+from ..layers.mlp import swiglu
+from .bankio import BankReader, aligned_buffer
+from .experts import ExpertStats, unpack_record
+
+
+class ExpertCache:
+    def __init__(self, container: Container, budget_bytes: int | None, dtype: torch.dtype, threads: int = 4,
+                 preload: bool | None = None, verify: bool = True, direct: bool = True, half_life: float = 8.0):
+        ex, cfg = container.manifest["experts"], container.config
+        self.banks = container.banks
+        self.record_bytes = ex["record_bytes"]
+        self.format = ex["format"]
+        h, inter = cfg["hidden_size"], (cfg.get("moe") or {}).get("intermediate_size", 0)
+        self.shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+        self.dtype, self.verify = dtype, verify
+        self.n_records = sum(b.num_experts for b in self.banks.values())
+        bank_bytes = self.n_records * self.record_bytes
+        budget = bank_bytes if budget_bytes is None else min(budget_bytes, bank_bytes)
+        self.n_slots = budget // self.record_bytes if self.record_bytes else 0
+        if self.banks and self.n_slots < 1:
+            raise WasteError(f"expert budget {budget_bytes} bytes is smaller than one expert record "
+                             f"({self.record_bytes} bytes): raise --budget")
+        self.budget_bytes = self.n_slots * self.record_bytes
+        self._mm, self.slab = aligned_buffer(self.n_slots * self.record_bytes)
+        self.slot_of: dict[tuple[int, int], int] = {}
+        self.key_of: list[tuple[int, int] | None] = [None] * self.n_slots
+        self.free = list(range(self.n_slots - 1, -1, -1))
+        self.freq = np.zeros(self.n_slots)
+        self.last = np.zeros(self.n_slots)
+        self.decay = 0.5 ** (1.0 / half_life) if half_life > 0 else 0.0
+        self.now = 0.0
+        self.step = 1.0 / max(len(self.banks), 1)     # one token = one call per MoE layer
+        self.layout = next(iter(self.banks.values())).layout if self.banks else None
+        self.readers = {l: BankReader(b, direct) for l, b in self.banks.items()}
+        self.direct = all(r.direct for r in self.readers.values()) if self.readers else False
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="waste-read")
+        self.lock = threading.Lock()
+        self.loading: dict[tuple[int, int], Future] = {}
+        self.stats = ExpertStats()
+        self.fill_bytes = 0
+        self.damage: BaseException | None = None
+        self._stop = threading.Event()
+        self.fill_thread = None
+        if preload is None:
+            preload = os.environ.get("WASTE_PRELOAD", "1") != "0"
+        self.fits = self.n_slots >= self.n_records
+        if preload and self.fits and self.n_records:
+            self.fill_thread = threading.Thread(target=self._fill, name="waste-fill", daemon=True)
+            self.fill_thread.start()
+
+    # -- slots -------------------------------------------------------------------------------------
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        return self.slab[slot * self.record_bytes:(slot + 1) * self.record_bytes]
+
+    def _score(self, slots):
+        return self.freq[slots] * self.decay ** (self.now - self.last[slots])
+
+    def _take_slots(self, n: int, pinned: set[int]) -> list[int]:
+        """n slots for new records: free ones first, then the lowest-scoring unpinned residents."""
+        out = [self.free.pop() for _ in range(min(n, len(self.free)))]
+        if len(out) < n:
+            busy = {self.slot_of[k] for k in self.loading if k in self.slot_of}
+            cand = np.array([s for s in range(self.n_slots)
+                             if s not in pinned and s not in busy and self.key_of[s] is not None])
+            need = n - len(out)
+            if len(cand) < need:
+                raise WasteError("the expert budget is too small for one layer's experts at once: raise --budget")
+            order = np.lexsort((self.last[cand], self._score(cand)))[:need]
+            for s in cand[order].tolist():
+                del self.slot_of[self.key_of[s]]
+                self.key_of[s] = None
+                self.stats.evictions += 1
+                out.append(s)
+        return out
+
+    def _touch(self, slot: int) -> None:
+        self.freq[slot] = self._score(slot) + 1.0
+        self.last[slot] = self.now
+
+    def _read(self, key, slot) -> float:
+        return self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
+
+    # -- background fill ---------------------------------------------------------------------------
+    def _fill(self) -> None:
+        for layer in sorted(self.banks):
+            for e in range(self.banks[layer].num_experts):
+                if self._stop.is_set():
+                    return
+                key = (layer, e)
+                with self.lock:
+                    if key in self.slot_of or key in self.loading or not self.free:
+                        continue
+                    slot = self.free.pop()
+                    self.slot_of[key], self.key_of[slot] = slot, key
+                    fut = Future()
+                    self.loading[key] = fut
+                try:
+                    self._read(key, slot)
+                    fut.set_result(0.0)
+                except BaseException as exc:   # a damaged record stops the model at its next layer call
+                    fut.set_exception(exc)
+                    with self.lock:
+                        self.damage = exc
+                        self._forget(key)
+                    return
+                with self.lock:
+                    self.loading.pop(key, None)
+                    self.fill_bytes += self.record_bytes
+
+    # -- the store interface -----------------------------------------------------------------------
+    def apply(self, layer: int, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.damage is not None:
+            raise self.damage
+        needed = torch.unique(idx).tolist()
+        ys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # a call may need more experts than there are slots (a long prefill on a tiny budget): take them in groups
+        for g in range(0, len(needed), max(self.n_slots, 1)):
+            self._apply_group(layer, x, idx, weights, needed[g:g + self.n_slots], ys)
+        self.now += self.step
+        out = torch.zeros_like(x)
+        for e in needed:                          # ascending expert id: the same sum whatever was cached
+            rows, y = ys[e]
+            out.index_add_(0, rows, y)
+        return out
+
+    def _apply_group(self, layer, x, idx, weights, experts, ys) -> None:
+        waits: dict[int, Future] = {}
+        resident: list[int] = []
+        with self.lock:
+            pinned = {self.slot_of[(layer, e)] for e in experts if (layer, e) in self.slot_of}
+            misses = [e for e in experts if (layer, e) not in self.slot_of]
+            slots = self._take_slots(len(misses), pinned)
+            for e, s in zip(misses, slots):
+                key = (layer, e)
+                self.slot_of[key], self.key_of[s] = s, key
+                self.freq[s] = 0.0
+                waits[e] = self.pool.submit(self._read, key, s)
+                self.loading[key] = waits[e]
+            for e in experts:
+                key = (layer, e)
+                if e not in waits:
+                    if key in self.loading:            # the background fill is reading it right now
+                        waits[e] = self.loading[key]
+                    else:
+                        resident.append(e)
+                self._touch(self.slot_of[key])
+            n_hit, n_miss = len(experts) - len(misses), len(misses)
+            self.stats.hits += n_hit
+            self.stats.misses += n_miss
+            pl = self.stats.per_layer.setdefault(layer, [0, 0])
+            pl[0] += n_hit
+            pl[1] += n_miss
+        for e in resident:                         # compute on what is here while the reads run
+            ys[e] = self._run_expert(layer, e, x, idx, weights)
+        for e in sorted(waits):
+            fut = waits[e]
+            try:
+                dt = fut.result()
+            except BaseException:
+                with self.lock:
+                    self._forget((layer, e))
+                raise
+            if e in misses:
+                with self.lock:
+                    self.loading.pop((layer, e), None)
+                    self.stats.bytes_read += self.record_bytes
+                    self.stats.read_seconds += dt
+            ys[e] = self._run_expert(layer, e, x, idx, weights)
+
+    def _forget(self, key) -> None:
+        self.loading.pop(key, None)
+        s = self.slot_of.pop(key, None)
+        if s is not None:
+            self.key_of[s] = None
+            self.free.append(s)
+
+    def _run_expert(self, layer, e, x, idx, weights):
+        rows, cols = (idx == e).nonzero(as_tuple=True)
+        views = self.layout.views(self.slot_tensor(self.slot_of[(layer, e)]))
+        g, u, d = unpack_record(views, self.format, self.shapes, self.dtype)
+        y = swiglu(x[rows], g, u, d) * weights[rows, cols, None]
+        return rows, y.to(x.dtype)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def resident_count(self) -> int:
+        return len(self.slot_of) - len(self.loading)
+
+    def wait_fill(self) -> None:
+        if self.fill_thread:
+            self.fill_thread.join()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.fill_thread:
+            self.fill_thread.join()
+        self.pool.shutdown(wait=True)
+        for r in self.readers.values():
+            r.close()

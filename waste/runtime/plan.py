@@ -1,0 +1,198 @@
+"""The memory plan: how much of the expert bank to keep in memory (seeds 0.6.7 and 0.7.0).
+
+floor        = trunk (in the compute dtype) + KV / recurrent state for the context + scratch + the process's
+               own measured baseline
+working set  = one token's expert records: top_k x record bytes x MoE layers
+bank         = every record
+usable       = the smaller of RAM and the cgroup limit (v1 or v2); ceiling = 3/4 of usable
+The automatic budget starts at as many working sets as cover the bank (a cache holding everything cannot
+improve by growing) and steps down one working set at a time until floor + budget fits under the ceiling.
+Below floor + one working set it refuses, with the numbers. --budget overrides, with a warning above the
+ceiling.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..container import Container
+from ..errors import WasteError
+from ..units import fmt_bytes as fmt_gb
+
+CEILING = 0.75
+SCRATCH_FIXED = 64 << 20
+def ram_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise WasteError("cannot read /proc/meminfo: pass --ram SIZE")
+
+
+def cgroup_limit() -> int | None:
+    """The tightest memory limit over this process's cgroup and its ancestors (v2 memory.max, v1 limit_in_bytes)."""
+    limits = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = Path("/sys/fs/cgroup"), "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        p = base / path.lstrip("/")
+        while True:
+            try:
+                v = (p / name).read_text().strip()
+                if v != "max" and int(v) < (1 << 60):
+                    limits.append(int(v))
+            except (OSError, ValueError):
+                pass
+            if p == base or p.parent == p:
+                break
+            p = p.parent
+    return min(limits) if limits else None
+
+
+def process_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def trunk_resident_bytes(container: Container, dtype: torch.dtype) -> int:
+    """Bytes the trunk takes once loaded: float32-kept tensors at 4 bytes, the rest in the compute dtype."""
+    with open(container.trunk_path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    f32 = set(container.manifest["trunk"].get("f32_tensors", []))
+    size = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        numel = math.prod(info["shape"])
+        total += numel * (4 if name in f32 else size)
+    return total
+
+
+def state_bytes(cfg: dict, context: int, dtype: torch.dtype) -> int:
+    """KV caches and recurrent state for one sequence of `context` tokens."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for layer in cfg["layers"]:
+        if layer["attn"] == "gqa":
+            g = cfg["gqa"]
+            total += 2 * g["num_kv_heads"] * g["head_dim"] * context * size
+        elif layer["attn"] == "mla":
+            m = cfg["mla"]
+            total += (m["kv_lora_rank"] + m["qk_rope_head_dim"]) * context * size
+        elif layer["attn"] == "kda":
+            k = cfg["kda"]
+            c = k["num_heads"] * k["head_dim"]
+            total += k["num_heads"] * k["head_dim"] ** 2 * 4 + 3 * (k["conv_kernel"] - 1) * c * size
+    return total
+
+
+def scratch_bytes(cfg: dict, context: int, dtype: torch.dtype, record_bytes: int) -> int:
+    """Activations of a prefill chunk, the logits, and one expert unpacked into the compute dtype."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    chunk = min(context, 512)
+    act = 16 * chunk * cfg["hidden_size"] * size + chunk * cfg["vocab_size"] * 4
+    unpack = 2 * record_bytes if size == 4 else 0
+    return SCRATCH_FIXED + act + unpack
+
+
+@dataclass
+class MemoryPlan:
+    usable_bytes: int
+    usable_source: str
+    ceiling_bytes: int
+    trunk_bytes: int
+    state_bytes: int
+    scratch_bytes: int
+    baseline_bytes: int
+    floor_bytes: int
+    record_bytes: int
+    working_set_bytes: int
+    bank_bytes: int
+    budget_bytes: int
+    working_sets: float
+    resident: bool
+    context: int
+    reason: str
+    warning: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        return [
+            f"usable memory   {fmt_gb(self.usable_bytes)} ({self.usable_source}); ceiling 3/4 = {fmt_gb(self.ceiling_bytes)}",
+            f"floor           {fmt_gb(self.floor_bytes)} = trunk {fmt_gb(self.trunk_bytes)} + state for {self.context} "
+            f"tokens {fmt_gb(self.state_bytes)} + scratch {fmt_gb(self.scratch_bytes)} + process baseline "
+            f"{fmt_gb(self.baseline_bytes)}",
+            f"working set     {fmt_gb(self.working_set_bytes)} (one token's experts: top_k x {fmt_gb(self.record_bytes)} "
+            f"per record x MoE layers)",
+            f"bank            {fmt_gb(self.bank_bytes)} (every expert record)",
+            f"expert budget   {fmt_gb(self.budget_bytes)} = {self.working_sets:.2f} working sets"
+            f"{' (the whole bank: fully resident)' if self.resident else ''}",
+            f"reason          {self.reason}",
+        ] + ([f"warning         {self.warning}"] if self.warning else [])
+
+
+def plan_memory(container: Container, dtype: torch.dtype, context: int = 4096, ram: int | None = None,
+                budget: int | None = None) -> MemoryPlan:
+    cfg = container.config
+    ex = container.manifest["experts"]
+    moe = cfg.get("moe") or {}
+    record = ex["record_bytes"]
+    n_moe = len(ex["layers"])
+    ws = (moe.get("top_k") or 0) * record * n_moe
+    bank = sum(i["num_experts"] for i in ex["layers"].values()) * record
+    if ram is not None:
+        usable, source = ram, "--ram"
+    else:
+        total, limit = ram_bytes(), cgroup_limit()
+        usable, source = (limit, "cgroup limit") if limit and limit < total else (total, "RAM")
+    ceiling = int(usable * CEILING)
+    trunk = trunk_resident_bytes(container, dtype)
+    st = state_bytes(cfg, context, dtype)
+    scratch = scratch_bytes(cfg, context, dtype, record)
+    base = process_rss()
+    floor = trunk + st + scratch + base
+    common = dict(usable_bytes=usable, usable_source=source, ceiling_bytes=ceiling, trunk_bytes=trunk, state_bytes=st,
+                  scratch_bytes=scratch, baseline_bytes=base, floor_bytes=floor, record_bytes=record,
+                  working_set_bytes=ws, bank_bytes=bank, context=context)
+    if budget is not None:
+        if record and budget < record:
+            raise WasteError(f"--budget {budget} bytes is smaller than one expert record ({record} bytes)")
+        budget = min(budget, bank)
+        warning = None
+        if floor + budget > ceiling:
+            warning = (f"floor {fmt_gb(floor)} + budget {fmt_gb(budget)} is above 3/4 of usable memory "
+                       f"({fmt_gb(ceiling)}): the machine may page and run far slower than a smaller budget")
+        return MemoryPlan(**common, budget_bytes=budget, working_sets=budget / ws if ws else 0.0,
+                          resident=budget >= bank, reason="--budget", warning=warning)
+    if not ws:
+        return MemoryPlan(**common, budget_bytes=0, working_sets=0.0, resident=True, reason="no routed experts")
+    for m in range(math.ceil(bank / ws), 0, -1):
+        b = min(m * ws, bank)
+        if floor + b <= ceiling:
+            why = ("the whole bank fits under 3/4 of usable memory" if b == bank else
+                   f"{m} working set(s) is the most that fits under 3/4 of usable memory")
+            return MemoryPlan(**common, budget_bytes=b, working_sets=b / ws, resident=b >= bank, reason=why)
+    raise WasteError(
+        f"not enough memory: this model needs at least {fmt_gb(floor + ws)} (floor {fmt_gb(floor)} + one working "
+        f"set {fmt_gb(ws)}), but 3/4 of usable memory is {fmt_gb(ceiling)} ({source} {fmt_gb(usable)}). "
+        f"Lower --context (now {context}), close other programs, use a machine with more memory, "
+        f"or force a smaller cache with --budget SIZE (slower)")
