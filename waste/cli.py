@@ -110,8 +110,8 @@ def cmd_run(a):
     eng = _load(a, model)
     if eng.plan.warning:
         print(f"waste: warning: {eng.plan.warning}", file=sys.stderr)
-    g = eng.generate(prompt, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                     min_p=a.min_p, seed=a.seed, stop=a.stop, stream=True)
+    g = eng.generate(prompt, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, min_p=a.min_p,
+                     seed=a.seed, stop=a.stop, stream=True)
     sys.stdout.write(prompt)
     sys.stdout.flush()
     try:
@@ -142,7 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-n", type=int, default=128, help="tokens to generate (default 128)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--top-k", type=int, default=0)
     r.add_argument("--min-p", type=float, default=0.0)
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

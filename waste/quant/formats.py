@@ -7,6 +7,7 @@ add parts such as `q` and `scale` beside each other in the same record.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class Format:
@@ -18,6 +19,11 @@ class Format:
 
     def unpack(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """x [T, in] @ W.T for the matrix these parts hold; the result has x's dtype. Formats with a faster
+        kernel than unpack-then-F.linear override this."""
+        return F.linear(x, self.unpack(parts, shape, x.dtype))
 
 
 class Plain(Format):

@@ -23,9 +23,9 @@ import torch
 
 from ..container import Container
 from ..errors import WasteError
-from ..layers.mlp import swiglu
+from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
-from .experts import ExpertStats, unpack_record
+from .experts import ExpertStats, expert_swiglu
 
 
 class ExpertCache:
@@ -35,6 +35,7 @@ class ExpertCache:
         self.banks = container.banks
         self.record_bytes = ex["record_bytes"]
         self.format = ex["format"]
+        self.fmt = get_format(self.format)
         h, inter = cfg["hidden_size"], (cfg.get("moe") or {}).get("intermediate_size", 0)
         self.shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
         self.dtype, self.verify = dtype, verify
@@ -202,8 +203,7 @@ class ExpertCache:
     def _run_expert(self, layer, e, x, idx, weights):
         rows, cols = (idx == e).nonzero(as_tuple=True)
         views = self.layout.views(self.slot_tensor(self.slot_of[(layer, e)]))
-        g, u, d = unpack_record(views, self.format, self.shapes, self.dtype)
-        y = swiglu(x[rows], g, u, d) * weights[rows, cols, None]
+        y = expert_swiglu(x[rows], views, self.fmt, self.shapes) * weights[rows, cols, None]
         return rows, y.to(x.dtype)
 
     # -- lifecycle ---------------------------------------------------------------------------------

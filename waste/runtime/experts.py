@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from ..quant.formats import get_format
+import torch.nn.functional as F
 
 
 @dataclass
@@ -26,10 +25,14 @@ class ExpertStats:
                            {k: list(v) for k, v in self.per_layer.items()})
 
 
-def unpack_record(views: dict[str, torch.Tensor], fmt_name: str, shapes: dict, dtype) -> tuple:
-    fmt = get_format(fmt_name)
-    out = []
-    for m in ("gate", "up", "down"):
-        parts = {k[len(m) + 1:] if k != m else "": v for k, v in views.items() if k == m or k.startswith(m + ".")}
-        out.append(fmt.unpack(parts, shapes[m], dtype))
-    return tuple(out)
+def parts_of(views: dict[str, torch.Tensor], matrix: str) -> dict[str, torch.Tensor]:
+    """A record's parts for one matrix, keyed by part suffix ("" for a plain matrix)."""
+    return {k[len(matrix) + 1:] if k != matrix else "": v for k, v in views.items()
+            if k == matrix or k.startswith(matrix + ".")}
+
+
+def expert_swiglu(x: torch.Tensor, views: dict[str, torch.Tensor], fmt, shapes: dict) -> torch.Tensor:
+    """down(silu(gate x) * up x) straight from a record's stored parts, through the format's own matmul."""
+    g = fmt.linear(x, parts_of(views, "gate"), shapes["gate"])
+    u = fmt.linear(x, parts_of(views, "up"), shapes["up"])
+    return fmt.linear(F.silu(g) * u, parts_of(views, "down"), shapes["down"])
