@@ -21,5 +21,5 @@ def releases(tmp_path_factory):
     for name, build in (("qwen3_moe", qwen3_moe_model), ("kimi_linear", kimi_linear_model)):
         m = build()
         src = save_release(m, root / name)
-        out[name] = (m, src, convert(src, root / f"{name}.waste", progress=False))
+        out[name] = (m, src, convert(src, root / f"{name}.waste", experts="bf16", trunk="bf16", progress=False))
     return out

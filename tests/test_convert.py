@@ -92,7 +92,7 @@ def test_sharded_index_and_nested_text_config(tmp_path, releases):
     (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
     cfg = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "text_config": cfg}))
-    out = convert(dst, tmp_path / "sharded.waste", progress=False)
+    out = convert(dst, tmp_path / "sharded.waste", experts="bf16", trunk="bf16", progress=False)
     ref = releases["qwen3_moe"][2]
     for f in ["trunk.safetensors"] + [p.name for p in (ref / "experts").iterdir()]:
         sub = "" if f.endswith("safetensors") else "experts/"

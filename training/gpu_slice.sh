@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# v1 (replaced by gpu_slice_v2.sh; kept to reproduce tiny-py-moe v1, whose shape and batch were train.py's
+# defaults then and are passed explicitly now).
 # One GPU slice (about 5 minutes on one H200): train the tiny model twice, for 5 and for 10 epochs of
 # the corpus, keep the run whose chosen weights have the lower validation loss, and pack the result
 # into $OUT as few files as possible (model.safetensors split under 16 MB, everything else in one tar).
@@ -16,6 +18,7 @@ mkdir -p "$RUNS" "$OUT"
 T0=$(date +%s)
 for EP in $EPOCHS; do
   python3 training/train.py --out "$RUNS/ep$EP" --corpus "$CORPUS" --max-epochs "$EP" --budget-min 3.5 \
+      --hidden 256 --heads 8 --kv-heads 4 --batch 32 \
       --eval-every 100 --finalize-partial ${TRAIN_ARGS:-} 2>&1 | grep --line-buffered -v 'Writing model shards' | tee "$RUNS/ep$EP.log"
 done
 echo "slice wall seconds: $(( $(date +%s) - T0 ))" | tee "$RUNS/slice.txt"

@@ -1,22 +1,29 @@
 """Train the bundled tiny Qwen3-MoE code model, end to end, into one output folder.
 
-    python3 training/train.py --out RUN_DIR [--budget-min 6.5] [--max-epochs 20] [--finalize-partial]
+    python3 training/train.py --out RUN_DIR --corpus CORPUS.tar.xz [--budget-min 6.5] [--max-epochs 20] [--finalize-partial]
+    python3 training/train.py --out PREP_DIR --corpus CORPUS.tar.xz --prepare-only   # stages 1-3 only (CPU)
 
 Stages (each skipped when its output already exists in RUN_DIR, so the same command resumes):
-  1. corpus     : the stdlib .py files (prepare_corpus.py) -> RUN_DIR/corpus/{manifest.tsv,summary.json}
+  1. corpus     : the .py files (prepare_corpus.py) -> RUN_DIR/corpus/{manifest.tsv,summary.json}
   2. tokenizer  : byte-level BPE trained on the train split with `tokenizers` -> RUN_DIR/model/tokenizer.json
-  3. tokens     : each split encoded, files joined by <|endoftext|> -> RUN_DIR/tokens_{split}.npy
+                  (skipped when RUN_DIR/model/tokenizer.json exists: gpu_slice_v2.sh copies in the one trained
+                  with --prepare-only on a CPU machine, which saves GPU time)
+  3. tokens     : each split encoded, files joined by <|endoftext|> -> RUN_DIR/tokens_{split}.npy; also
+                  test_stdlib, the standard-library files of the test split (the first corpus's test split)
   4. train      : Qwen3MoeForCausalLM from transformers, bf16 weights with fp32 master copy and AdamW,
                   cosine schedule, per-layer Switch load-balancing loss; checkpoint RUN_DIR/ckpt.pt every
                   --ckpt-every-s seconds and at the end of the budget; keeps the weights of the best
                   validation loss
-  5. evaluate   : held-out (test split) loss/perplexity, routing trace, expert load per layer, LRU
-                  expert-cache hit rates per layer at several budgets, a greedy sample
+  5. evaluate   : held-out (test split) loss/perplexity/bits per byte, also on test_stdlib; routing trace,
+                  expert load per layer, LRU expert-cache hit rates per layer at several budgets; greedy
+                  samples in bf16 on the training device and in float32 on the CPU; with --compare-model,
+                  the same held-out bits per byte for another HF model folder (with its own tokenizer)
   6. export     : RUN_DIR/model/ in HF format (model.safetensors bf16, config.json, generation_config.json,
                   tokenizer.json, tokenizer_config.json) and RUN_DIR/record.json
 
 The number of optimizer steps is fixed on the first invocation: --steps if given, else the smaller of
---max-epochs worth of tokens and what the measured step time allows inside --budget-min. A later
+--max-epochs worth of tokens and what the measured step time allows inside --budget-min (and before
+--train-until-s seconds after the script started, when given). A later
 invocation with the same RUN_DIR resumes from ckpt.pt with that same step count. When the budget runs
 out first, the checkpoint is saved and the script exits with status 3 (run it again to continue), or,
 with --finalize-partial, it evaluates and exports what it has.
@@ -108,20 +115,32 @@ def stage_tokenizer(run: str, corpus: dict, vocab_size: int, ctx: int):
     return tok
 
 
+SPLITS = {"train": ("train", None), "val": ("val", None), "test": ("test", None), "test_stdlib": ("test", "stdlib")}
+
+
+def encode_texts(tok, texts: list[str]) -> np.ndarray:
+    """Each text encoded and followed by <|endoftext|>, concatenated."""
+    eot = np.asarray([tok.token_to_id(EOT)], dtype=np.int32)
+    parts = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        parts.append(np.asarray(enc.ids, dtype=np.int32))
+        parts.append(eot)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def split_bytes(corpus: dict, name: str) -> int:
+    sp, src = SPLITS[name]
+    return sum(f["bytes"] for f in corpus["files"] if f["split"] == sp and (src is None or f["source"] == src))
+
+
 def stage_tokens(run: str, corpus: dict, tok) -> dict:
-    eot = tok.token_to_id(EOT)
     out = {}
-    for sp in ("train", "val", "test"):
-        path = os.path.join(run, f"tokens_{sp}.npy")
+    for name, (sp, src) in SPLITS.items():
+        path = os.path.join(run, f"tokens_{name}.npy")
         if not os.path.exists(path):
-            texts = prepare_corpus.split_texts(corpus, sp)
-            ids = []
-            for enc in tok.encode_batch(texts, add_special_tokens=False):
-                ids.extend(enc.ids)
-                ids.append(eot)
-            np.save(path, np.asarray(ids, dtype=np.int32))
-        out[sp] = np.load(path)
-    nbytes = {sp: sum(f["bytes"] for f in corpus["files"] if f["split"] == sp) for sp in out}
+            np.save(path, encode_texts(tok, prepare_corpus.split_texts(corpus, sp, src)))
+        out[name] = np.load(path)
+    nbytes = {sp: split_bytes(corpus, sp) for sp in out}
     log("tokens: " + ", ".join(f"{sp} {len(v):,} ({nbytes[sp] / max(1, len(v)):.2f} bytes/token)" for sp, v in out.items()))
     return out
 
@@ -309,16 +328,22 @@ def main(argv=None) -> int:
     ap.add_argument("--max-epochs", type=float, default=20.0)
     ap.add_argument("--steps", type=int, default=0, help="fixed number of optimizer steps (0: calibrate)")
     ap.add_argument("--finalize-partial", action="store_true")
+    ap.add_argument("--train-until-s", type=float, default=0.0,
+                    help="also stop the training loop this many seconds after the script started (0: no limit)")
+    ap.add_argument("--prepare-only", action="store_true", help="stop after the corpus, tokenizer and token stages")
+    ap.add_argument("--compare-model", default=None,
+                    help="an HF model folder to evaluate on the same held-out text (bits per byte), e.g. the previous bundled model")
     ap.add_argument("--corpus", default=None,
-                    help="stdlib folder or tarball from prepare_corpus.py --pack (default: this interpreter's stdlib)")
+                    help="tarball from prepare_corpus.py --pack, or a stdlib folder (default: this interpreter's "
+                         "stdlib and the pinned packages)")
     ap.add_argument("--max-files", type=int, default=0, help="debug: cap the corpus")
     ap.add_argument("--seed", type=int, default=1234)
     # model
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=320)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=10)
+    ap.add_argument("--kv-heads", type=int, default=5)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=2)
@@ -327,17 +352,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rope-theta", type=float, default=10000.0)
     # optimisation
     ap.add_argument("--ctx", type=int, default=1024, help="training sequence length")
-    ap.add_argument("--batch", type=int, default=32, help="sequences per step")
+    ap.add_argument("--batch", type=int, default=64, help="sequences per step")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--aux-coef", type=float, default=0.01)
     ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--ckpt-every-s", type=float, default=120.0)
-    ap.add_argument("--sample-prompt", default="def fibonacci(n):")
+    ap.add_argument("--sample-prompts", nargs="+", default=["def fibonacci(n):", "import os\n\ndef ", "class Stack:\n"],
+                    help="greedy-sample prompts (escapes like \\n are decoded)")
     a = ap.parse_args(argv)
 
     run = os.path.abspath(a.out)
@@ -355,7 +381,12 @@ def main(argv=None) -> int:
     corpus = stage_corpus(run, a.corpus, a.max_files or None)
     tok = stage_tokenizer(run, corpus, a.vocab, a.max_pos)
     toks = stage_tokens(run, corpus, tok)
+    split_nbytes = {sp: split_bytes(corpus, sp) for sp in SPLITS}
+    heldout_texts = {sp: prepare_corpus.split_texts(corpus, *SPLITS[sp]) for sp in ("test", "test_stdlib")}
     del corpus
+    if a.prepare_only:
+        log("prepared; stopping (--prepare-only)")
+        return 0
     eot = tok.token_to_id(EOT)
     vocab_size = tok.get_vocab_size()
 
@@ -410,8 +441,11 @@ def main(argv=None) -> int:
 
     tokens_per_step = a.batch * a.ctx
     max_steps_epochs = int(a.max_epochs * n_train / tokens_per_step)
-    budget_s = a.budget_min * 60.0
     loop_t0 = time.time()      # start of this invocation's loop: the budget counts from here
+    budget_s = a.budget_min * 60.0
+    if a.train_until_s:
+        budget_s = max(0.0, min(budget_s, T0 + a.train_until_s - loop_t0))
+        log(f"training budget: {budget_s:.0f} s (--budget-min {a.budget_min}, --train-until-s {a.train_until_s})")
     seg_t0 = loop_t0           # start of the stretch not yet added to state["train_seconds"]
     last_ckpt = time.time()
     run_loss, run_aux, run_n = 0.0, 0.0, 0
@@ -507,16 +541,29 @@ def main(argv=None) -> int:
     else:
         chosen = {"step": state["step"], "why": "final step (validation loss no worse than the best periodic one)"}
     test_loss, trace = eval_loss(model, toks["test"], a.ctx, device, trace=True)
+    std_loss, std_trace = eval_loss(model, toks["test_stdlib"], a.ctx, device, trace=True)
     val_loss = eval_loss(model, toks["val"], a.ctx, device)
-    log(f"chosen weights: step {chosen['step']}; held-out loss {test_loss:.4f} ppl {math.exp(test_loss):.2f}")
+
+    def bpb(loss, name):
+        return round(loss * len(toks[name]) / math.log(2) / max(1, split_nbytes[name]), 4)
+
+    log(f"chosen weights: step {chosen['step']}; held-out loss {test_loss:.4f} ppl {math.exp(test_loss):.2f} "
+        f"{bpb(test_loss, 'test')} bits/byte; stdlib part {std_loss:.4f} ({bpb(std_loss, 'test_stdlib')} bits/byte)")
     E, K = cfg.num_experts, cfg.num_experts_per_tok
-    load = []
-    for l in range(trace.shape[1]):
-        c = np.bincount(trace[:, l, :].reshape(-1).astype(np.int64), minlength=E)
-        load.append([round(float(v), 4) for v in c / c.sum()])
+
+    def expert_load(tr):
+        load = []
+        for l in range(tr.shape[1]):
+            c = np.bincount(tr[:, l, :].reshape(-1).astype(np.int64), minlength=E)
+            load.append([round(float(v), 4) for v in c / c.sum()])
+        return load
+
+    load = expert_load(trace)
     np.save(os.path.join(run, "routing_trace_test.npy"), trace)
     sim = cache_simulation(trace, E, K)
     log("cache hit rates: " + ", ".join(f"{b}: {v['hit_rate_mean']:.3f}" for b, v in sim["budgets"].items()))
+    sim_std = cache_simulation(std_trace, E, K)
+    log("cache hit rates (stdlib test files): " + ", ".join(f"{b}: {v['hit_rate_mean']:.3f}" for b, v in sim_std["budgets"].items()))
 
     # ------------------------------------------------------------------------------ export
     mdir = os.path.join(run, "model")
@@ -539,29 +586,14 @@ def main(argv=None) -> int:
     with open(cpath, "w") as f:
         json.dump(dict(sorted(c.items())), f, indent=2)
 
-    # greedy sample
-    sample = None
-    try:
-        model.eval()
-        ids = tok.encode(a.sample_prompt, add_special_tokens=False).ids
-        x = torch.tensor([ids], device=device)
-        with torch.no_grad():
-            g = model.generate(input_ids=x, max_new_tokens=48, do_sample=False, eos_token_id=eot, pad_token_id=eot)
-        sample = tok.decode(g[0].tolist(), skip_special_tokens=False)
-        log("sample:\n" + sample)
-    except Exception as e:  # noqa: BLE001
-        log(f"sample failed: {e!r}")
-
-    files = {fn: {"bytes": os.path.getsize(os.path.join(mdir, fn)), "sha256": sha256_file(os.path.join(mdir, fn))}
-             for fn in sorted(os.listdir(mdir))}
+    summary = json.load(open(os.path.join(run, "corpus", "summary.json")))
     record = {
         "versions": versions,
         "args": vars(a),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "corpus": json.load(open(os.path.join(run, "corpus", "summary.json"))),
+        "corpus": summary,
         "tokens": {sp: int(len(v)) for sp, v in toks.items()},
-        "bytes_per_token": {sp: round(json.load(open(os.path.join(run, "corpus", "summary.json")))[sp]["bytes"]
-                                      / max(1, len(v)), 3) for sp, v in toks.items()},
+        "bytes_per_token": {sp: round(split_nbytes[sp] / max(1, len(v)), 3) for sp, v in toks.items()},
         "tokenizer": {"vocab_size": vocab_size, "eot_id": eot,
                       "sha256": sha256_file(os.path.join(mdir, "tokenizer.json"))},
         "params": params,
@@ -580,17 +612,89 @@ def main(argv=None) -> int:
                  "final_step_val_loss": round(final_val, 4), "final_step_test_loss": round(final_test, 4),
                  "val_loss": round(val_loss, 4), "heldout_test_loss": round(test_loss, 4),
                  "heldout_test_ppl": round(math.exp(test_loss), 3),
-                 "heldout_test_bits_per_byte": round(test_loss * len(toks["test"]) / math.log(2)
-                                                     / json.load(open(os.path.join(run, "corpus", "summary.json")))["test"]["bytes"], 4),
+                 "heldout_test_bits_per_byte": bpb(test_loss, "test"),
+                 "heldout_test_stdlib_loss": round(std_loss, 4),
+                 "heldout_test_stdlib_ppl": round(math.exp(std_loss), 3),
+                 "heldout_test_stdlib_bits_per_byte": bpb(std_loss, "test_stdlib"),
                  "expert_load_per_layer": load,
-                 "cache_simulation": sim},
-        "sample": {"prompt": a.sample_prompt, "greedy_48_tokens": sample},
-        "model_files": files,
-        "wall_seconds_total_this_invocation": round(time.time() - T0, 1),
+                 "expert_load_per_layer_test_stdlib": expert_load(std_trace),
+                 "cache_simulation": sim,
+                 "cache_simulation_test_stdlib": sim_std},
+        "samples": {},
+        "model_files": {},
+        "wall_seconds_total_this_invocation": None,
     }
-    with open(os.path.join(run, "record.json"), "w") as f:
-        json.dump(record, f, indent=1)
+
+    def write_record():
+        record["model_files"] = {fn: {"bytes": os.path.getsize(os.path.join(mdir, fn)),
+                                      "sha256": sha256_file(os.path.join(mdir, fn)),}
+                                 for fn in sorted(os.listdir(mdir))}
+        record["wall_seconds_total_this_invocation"] = round(time.time() - T0, 1)
+        with open(os.path.join(run, "record.json"), "w") as f:
+            json.dump(record, f, indent=1)
+
+    write_record()  # what matters is on disk before the extras below, any of which may fail
     log(f"wrote {mdir} and {os.path.join(run, 'record.json')}")
+
+    # ------------------------------------------------------------------------------ extras
+    prompts = [p.encode().decode("unicode_escape") for p in a.sample_prompts]
+
+    def greedy(m, dev, label):
+        out = {}
+        for p in prompts:
+            try:
+                ids = tok.encode(p, add_special_tokens=False).ids
+                x = torch.tensor([ids], device=dev)
+                with torch.no_grad():
+                    g = m.generate(input_ids=x, max_new_tokens=48, do_sample=False, eos_token_id=eot,
+                                   pad_token_id=eot)
+                out[p] = tok.decode(g[0].tolist(), skip_special_tokens=False)
+                log(f"sample ({label}):\n{out[p]}\n----")
+            except Exception as e:  # noqa: BLE001
+                out[p] = f"FAILED: {e!r}"
+                log(f"sample ({label}) failed: {e!r}")
+        return out
+
+    model.eval()
+    record["samples"][f"bf16_{device.type}"] = greedy(model, device, f"bf16 on {device.type}")
+    write_record()
+    try:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            m32 = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32, attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
+        except Exception:  # noqa: BLE001 - an older transformers without that keyword
+            m32 = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
+        record["samples"]["float32_cpu"] = greedy(m32, torch.device("cpu"), "float32 on cpu")
+        del m32
+    except Exception as e:  # noqa: BLE001
+        log(f"float32 samples failed: {e!r}")
+    write_record()
+
+    if a.compare_model:
+        try:
+            from tokenizers import Tokenizer
+            from transformers import AutoModelForCausalLM
+
+            om = AutoModelForCausalLM.from_pretrained(a.compare_model, dtype=torch.bfloat16).to(device).eval()
+            otok = Tokenizer.from_file(os.path.join(a.compare_model, "tokenizer.json"))
+            cmp = {"model": a.compare_model, "dtype": "bfloat16", "device": device.type,
+                   "config_sha256": sha256_file(os.path.join(a.compare_model, "config.json")),
+                   "weights_sha256": sha256_file(os.path.join(a.compare_model, "model.safetensors"))}
+            for name in ("test", "test_stdlib"):
+                ot = encode_texts(otok, heldout_texts[name])
+                ol = eval_loss(om, ot, a.ctx, device)
+                cmp[name] = {"tokens": int(len(ot)), "loss": round(ol, 4), "ppl": round(math.exp(ol), 3),
+                             "bits_per_byte": round(ol * len(ot) / math.log(2) / max(1, split_nbytes[name]), 4),
+                             "this_model_bits_per_byte": bpb(test_loss if name == "test" else std_loss, name)}
+            record["eval"]["compare_model"] = cmp
+            log(f"compare {a.compare_model}: {json.dumps(cmp)}")
+            del om
+        except Exception as e:  # noqa: BLE001
+            log(f"compare failed: {e!r}")
+    write_record()
+    log("done")
     return 0
 
 

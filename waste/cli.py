@@ -20,8 +20,14 @@ def _fmt_count(n: float) -> str:
 def cmd_convert(a):
     from .convert.convert import convert
 
-    out = convert(a.src, a.out, experts=a.experts, trunk=a.trunk, force=a.force)
+    from .container.manifest import read_manifest
+    from .convert.text_files import describe_chat
+
+    from .quant.formats import DEFAULT_TRUNK
+
+    out = convert(a.src, a.out, experts=a.experts, trunk=a.trunk or DEFAULT_TRUNK, force=a.force, chat=a.chat)
     print(f"wrote {out}")
+    print(f"chat format: {describe_chat(read_manifest(out)['text'])}")
 
 
 def cmd_info(a):
@@ -35,6 +41,7 @@ def cmd_info(a):
         return
     rows = [("model", str(c.root)), ("family", d["family"]), ("layers", d["layers_summary"]),
             ("experts", d["experts_summary"]),
+            *[("features" if i == 0 else "", f) for i, f in enumerate(d["features"])],
             ("parameters", f"{_fmt_count(d['params']['total'])} total, {_fmt_count(d['params']['active'])} active per token"),
             ("trunk", f"{_fmt_bytes(d['trunk_bytes'])} ({d['trunk_format']}, norms/router/gates in f32)"),
             ("expert banks", f"{_fmt_bytes(d['bank_bytes'])} in {d['moe_layers']} files ({d['expert_format']}, "
@@ -62,7 +69,7 @@ def _load(a, model):
     from .engine import Engine
 
     return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
-                       preload=False if a.no_preload else None)
+                       preload=False if a.no_preload else None, top_k=a.top_k)
 
 
 def _engine_args(p):
@@ -72,6 +79,9 @@ def _engine_args(p):
     p.add_argument("--no-preload", action="store_true",
                    help="no background fill of the cache when the whole bank fits (also WASTE_PRELOAD=0)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="route each token to K experts instead of the release's top_k (fewer: faster, at a quality "
+                        "cost; docs/LEARNED.md measures it)")
 
 
 def cmd_plan(a):
@@ -105,6 +115,28 @@ def cmd_bench(a):
     print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
 
 
+def cmd_chat(a):
+    from .chat_cli import cmd_chat as chat
+
+    chat(a, _load)
+
+
+def cmd_serve(a):
+    from .serve.app import serve
+
+    if a.max_queue < 0 or a.max_batch < 1:
+        raise WasteError("--max-queue must be 0 or more and --max-batch 1 or more")
+    import os
+
+    if a.model is not None:   # a bad path or a damaged manifest is refused before the port is bound
+        from .container import open_container
+
+        open_container(a.model).close()
+    key = a.api_key or os.environ.get("WASTE_API_KEY") or None
+    serve(a.model, host=a.host, port=a.port, api_key=key, max_queue=a.max_queue, max_batch=a.max_batch,
+          model_name=a.model_name, load=lambda model: _load(a, model))
+
+
 def cmd_run(a):
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else (a.args[0], " ".join(a.args[1:]))
     eng = _load(a, model)
@@ -131,9 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a Hugging Face release into a .waste container")
     c.add_argument("src", help="directory of the release (config.json + safetensors)")
     c.add_argument("out", help="the container to write, e.g. model.waste")
-    c.add_argument("--experts", default="bf16", help="storage format of the routed experts (bf16, f16, f32)")
-    c.add_argument("--trunk", default="bf16", help="storage format of the trunk matrices (bf16, f16, f32)")
+    c.add_argument("--experts", default="auto", help="storage format of the routed experts: auto (as released when the "
+                   "release is mxfp4 or int4, else q4), bf16, f16, f32, q8, q4 (q4g32, q4g128: other group sizes), "
+                   "vq3 (3 bits, for disk-bound machines), mxfp4")
+    c.add_argument("--trunk", default=None, help="storage format of the trunk's projections: q8 (default), bf16, f16, "
+                   "f32, q4; embeddings, norms and routers keep their own")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--chat", choices=("auto", "require", "none"), default="auto",
+                   help="for a release without a chat template: install waste's chat.json for the family when the "
+                        "tokenizer carries its markup (auto, default), refuse the conversion when it cannot "
+                        "(require), or install none")
     c.set_defaults(fn=cmd_convert)
 
     r = sub.add_parser("run", help="generate text from a prompt", description=(
@@ -147,6 +186,41 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _engine_args(r)
     r.set_defaults(fn=cmd_run)
+
+    ch = sub.add_parser("chat", help="chat with a model in the terminal", description=(
+        "waste chat [MODEL]: an interactive chat through the model's chat format (the default model when MODEL is "
+        "omitted). /help inside lists the commands."))
+    ch.add_argument("model", nargs="?", default=None)
+    ch.add_argument("-n", type=int, default=512, help="most tokens per reply (default 512; the context caps it)")
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    ch.add_argument("--top-p", type=float, default=1.0)
+    ch.add_argument("--min-p", type=float, default=0.0)
+    ch.add_argument("--seed", type=int, default=None)
+    ch.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ch.add_argument("--system", default=None, help="the system prompt to start with (/system changes it)")
+    ch.add_argument("--hide-reasoning", action="store_true", help="do not show the model's reasoning")
+    ch.add_argument("--no-thinking", action="store_true", help="ask the chat format to turn reasoning off")
+    ch.add_argument("--reasoning-effort", default=None, help="passed to the chat format (e.g. low, high, max)")
+    _engine_args(ch)
+    ch.set_defaults(fn=cmd_chat)
+
+    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API", description=(
+        "waste serve [MODEL]: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /tokenize, "
+        "/detokenize (the default model when MODEL is omitted). The port is bound at once; /health answers 503 "
+        "until the model is loaded."))
+    sv.add_argument("model", nargs="?", default=None)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (also WASTE_API_KEY)")
+    sv.add_argument("--max-queue", type=int, default=64,
+                    help="requests that may wait for a turn; past it the server answers 503 with Retry-After "
+                         "(default 64)")
+    sv.add_argument("--max-batch", type=int, default=8,
+                    help="requests generated at once; their decode steps share expert reads (default 8)")
+    sv.add_argument("--model-name", default=None, help="the model id /v1/models reports (default: the container's "
+                    "name without .waste)")
+    _engine_args(sv)
+    sv.set_defaults(fn=cmd_serve)
 
     pl = sub.add_parser("plan", help="print the memory plan: floor, working set, bank, the chosen expert budget")
     pl.add_argument("model")

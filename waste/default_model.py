@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 BUNDLED = Path(__file__).parent / "bundled" / "tiny-py-moe"
-SYNTHETIC_RECIPE = "synthetic-qwen3-moe-v1"
+SYNTHETIC_RECIPE = "synthetic-qwen3-moe-v2"   # v2: converted with its ChatML chat.json (`waste chat`)
 
 
 def cache_dir() -> Path:
@@ -34,10 +34,10 @@ def default_model_path() -> Path:
 
     root = cache_dir()
     if (BUNDLED / "config.json").is_file():
-        out = root / f"{BUNDLED.name}-{_digest(BUNDLED)}.waste"
+        out = root / f"{BUNDLED.name}-{_digest(BUNDLED)}-bf16.waste"
         if not (out / "manifest.json").is_file():
             print(f"waste: converting the bundled model into {out} (once)", file=sys.stderr)
-            convert(BUNDLED, out, force=True)
+            convert(BUNDLED, out, experts="bf16", trunk="bf16", force=True)   # small: exact beats compact
         return out
     out = root / f"{SYNTHETIC_RECIPE}.waste"
     if not (out / "manifest.json").is_file():

@@ -12,18 +12,37 @@ import torch
 from .container import Container, open_container
 from .errors import WasteError
 from .models import build_model
+from .quant.linear import assemble_trunk
 from .runtime.cache import ExpertCache
 from .runtime.plan import MemoryPlan, plan_memory
 from .units import parse_size
 from .runtime.sampling import Sampler, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-AUTO_F32_TRUNK_BYTES = 2 << 30   # below this the trunk is kept in float32: exact, and small enough
+AUTO_F32_BYTES = 2 << 30   # a model smaller than this computes in float32: exact, and cheap enough
+
+
+def set_top_k(model, k: int) -> None:
+    """Route each token to k experts (seed 0.6.7 §56: fewer experts per token is a speed/quality trade left to
+    the user; docs/LEARNED.md records its KL on the bundled model). Only lowering is allowed."""
+    check_top_k(model.cfg, k)
+    model.top_k = k
+
+
+def check_top_k(cfg: dict, k: int) -> None:
+    release = (cfg.get("moe") or {}).get("top_k")
+    if not release:
+        raise WasteError("--top-k: this model has no routed experts")
+    if not 1 <= k <= release:
+        raise WasteError(f"--top-k {k}: choose 1 to {release} (the release routes each token to {release} experts)")
 
 
 def resolve_dtype(name: str, container: Container) -> torch.dtype:
+    """auto: float32 for small models; bfloat16 above, where the stored bf16 experts are used as they are
+    instead of being widened for every use."""
     if name == "auto":
-        return torch.float32 if container.manifest["trunk"]["bytes"] < AUTO_F32_TRUNK_BYTES else torch.bfloat16
+        m = container.manifest
+        return torch.float32 if m["trunk"]["bytes"] + m["experts"]["bytes"] < AUTO_F32_BYTES else torch.bfloat16
     if name not in DTYPES:
         raise WasteError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -55,17 +74,82 @@ class Stats:
                 f"{self.decode_tps:.1f} tok/s | experts {self.expert_hits} hit / {self.expert_misses} miss{rate}]")
 
 
+class Decoding:
+    """One sequence's decoding, a token at a time; Generation (a request alone) and the server's scheduler
+    (requests batched) both drive it. `sample(logits)` picks the next token (recording its log-probabilities
+    when `logprobs` is set: None off, else how many alternatives per token); `feed(token)` returns the text
+    that token decides (held back while a stop string or a UTF-8 sequence may be forming) and sets
+    `finish_reason` when the sequence ends ("stop": an end id or a stop string; "length": max_tokens);
+    `finish()` returns the text still held. End ids are not part of `text`."""
+
+    def __init__(self, tokenizer, max_tokens: int, sampling: SamplingParams, stop: list[str], stop_ids=(),
+                 logprobs: int | None = None):
+        self.tokenizer, self.max_tokens, self.logprobs = tokenizer, max_tokens, logprobs
+        self.sampler, self.stop = Sampler(sampling), [s for s in stop if s]
+        self.stop_ids = set(stop_ids)
+        self.token_ids: list[int] = []
+        self.token_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []   # (id, logprob, top)
+        self.text = ""
+        self.finish_reason: str | None = None
+        self._body: list[int] = []          # generated ids, end ids excluded
+        self._shown = 0                     # characters of text already handed out
+        self._hold = max((len(s) for s in self.stop), default=1) - 1   # a stop string may be forming
+
+    def sample(self, logits: torch.Tensor) -> int:
+        tok = self.sampler(logits)
+        self.token_ids.append(tok)
+        if self.logprobs is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.topk(lp, self.logprobs) if self.logprobs else None
+            alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            self.token_logprobs.append((tok, float(lp[tok]), alts))
+        return tok
+
+    def feed(self, tok: int) -> str:
+        if self.finish_reason is not None:
+            return ""
+        if tok in self.stop_ids:
+            self.finish_reason = "stop"
+            return ""
+        self._body.append(tok)
+        self.text = self.tokenizer.decode(self._body)
+        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish_reason = self.text[:cut], "stop"
+            return ""
+        if len(self.token_ids) >= self.max_tokens:
+            self.finish_reason = "length"
+            return ""
+        ready = len(self.text) - self._hold
+        while ready > self._shown and self.text[ready - 1] == "\ufffd":   # an unfinished UTF-8 sequence
+            ready -= 1
+        if ready <= self._shown:
+            return ""
+        piece, self._shown = self.text[self._shown:ready], ready
+        return piece
+
+    def finish(self) -> str:
+        if self.finish_reason is None:
+            self.finish_reason = "length"
+        piece, self._shown = self.text[self._shown:], len(self.text)
+        return piece
+
+
 class Generation:
     """One request. Iterate it for text deltas as they are decided; afterwards `text`, `token_ids`,
-    `finish_reason` ("stop" or "length") and `stats` hold the result."""
+    `finish_reason` ("stop" or "length") and `stats` hold the result. `stop_ids` end it as the end-of-sequence
+    ids do (a chat format's end of turn); like them, they are not part of `text`. The per-token work is a
+    `Decoding` (`self.decoding`), which the server's scheduler drives directly when it batches requests."""
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop: list[str]):
+                 stop: list[str], stop_ids=(), logprobs: int | None = None):
         if not prompt_ids:
             raise WasteError("the prompt is empty: give at least one token of text")
         self.engine, self.prompt_ids, self.max_tokens = engine, prompt_ids, max_tokens
-        self.sampler, self.stop = Sampler(sampling), [s for s in stop if s]
-        self.token_ids: list[int] = []
+        self.decoding = Decoding(engine.tokenizer, max_tokens, sampling, stop, set(engine.eos_ids) | set(stop_ids),
+                                 logprobs)
+        self.sampler, self.stop, self.stop_ids = self.decoding.sampler, self.decoding.stop, self.decoding.stop_ids
+        self.token_ids: list[int] = self.decoding.token_ids
         self.text = ""
         self.finish_reason: str | None = None
         self.stats = Stats(prompt_tokens=len(prompt_ids))
@@ -88,11 +172,10 @@ class Generation:
         t1 = time.perf_counter()
         try:
             for n in range(self.max_tokens):
-                tok = self.sampler(logits)
-                self.token_ids.append(tok)
+                tok = self.decoding.sample(logits)
                 self.stats.generated_tokens += 1
                 yield tok
-                if tok in e.eos_ids or n + 1 == self.max_tokens:
+                if tok in self.stop_ids or n + 1 == self.max_tokens:
                     break
                 logits = model.forward(torch.tensor([tok]), state, pos, last_only=True)[-1]
                 pos += 1
@@ -103,33 +186,24 @@ class Generation:
             self.stats.expert_misses = s.misses - stats0.misses
 
     def _run(self) -> Iterator[str]:
-        tok, eos = self.engine.tokenizer, self.engine.eos_ids
-        body: list[int] = []             # generated ids, the end-of-sequence token excluded
-        shown = 0                        # characters of self.text already handed out
-        hold = max((len(s) for s in self.stop), default=1) - 1   # a stop string may be forming
+        d = self.decoding
         self.finish_reason = "length"
         tokens = self._tokens()
         try:
             for t in tokens:
-                if t in eos:
-                    self.finish_reason = "stop"
+                piece = d.feed(t)
+                self.text = d.text
+                if d.finish_reason is not None:
+                    self.finish_reason = d.finish_reason
                     break
-                body.append(t)
-                self.text = tok.decode(body)
-                cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    self.text, self.finish_reason = self.text[:cut], "stop"
-                    break
-                ready = len(self.text) - hold
-                while ready > shown and self.text[ready - 1] == "\ufffd":   # an unfinished UTF-8 sequence
-                    ready -= 1
-                if ready > shown:
-                    yield self.text[shown:ready]
-                    shown = ready
+                if piece:
+                    yield piece
         finally:
             tokens.close()          # settles the timing and expert counters even when cut short
-        if len(self.text) > shown:
-            yield self.text[shown:]
+        rest = d.finish()
+        self.text = d.text
+        if rest:
+            yield rest
 
 
 class Engine:
@@ -144,9 +218,11 @@ class Engine:
 
     @classmethod
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
-             preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True) -> "Engine":
+             preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
+             top_k: int | None = None) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
-        WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits)."""
+        WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). top_k: route
+        each token to this many experts instead of the release's top_k (1 .. top_k; a quality trade)."""
         if path is None:
             from .default_model import default_model_path
 
@@ -154,16 +230,20 @@ class Engine:
         container = open_container(path)
         try:
             dt = resolve_dtype(dtype, container)
+            if top_k is not None:
+                check_top_k(container.config, top_k)      # before the cache starts its fill thread
             plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
                                None if budget is None else parse_size(budget))
             from .text.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(container.root)
-            trunk = container.load_trunk(verify=verify)
+            trunk = assemble_trunk(container.load_trunk(verify=verify), container.manifest["trunk"])
             experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
                                   direct=direct)
             f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()
             model = build_model(container.family, container.config, trunk, experts, dt, f32)
+            if top_k is not None:
+                set_top_k(model, top_k)
         except BaseException:
             container.close()
             raise
@@ -182,6 +262,19 @@ class Engine:
             for _ in g:
                 pass
         return g
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, max_tokens: int | None = None,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+             stop: list[str] | None = None, stream: bool = False, reasoning_effort: str | None = None,
+             thinking: bool | None = None, chat_template_kwargs: dict | None = None, tool_choice=None):
+        """A chat turn through the container's chat format (waste/chat.py): stream=True gives a ChatCompletion to
+        iterate for Content / Reasoning / ToolCall events; stream=False the finished one (content,
+        reasoning_content, tool_calls, finish_reason, usage). Raises UnsupportedChatFormat or ChatRequestError."""
+        from .chat import chat
+
+        return chat(self, messages, tools=tools, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                    top_k=top_k, min_p=min_p, seed=seed, stop=stop, stream=stream, reasoning_effort=reasoning_effort,
+                    thinking=thinking, chat_template_kwargs=chat_template_kwargs, tool_choice=tool_choice)
 
     def close(self) -> None:
         self.experts.close()

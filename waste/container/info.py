@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 
 from . import Container
+from .features import features
 
 
 def describe(c: Container) -> dict:
@@ -22,6 +23,7 @@ def describe(c: Container) -> dict:
         "layers_summary": f"{cfg['num_layers']}: " + ", ".join(f"{n} {k}" for k, n in attn.items()) + "; "
                           + ", ".join(f"{n} {k}" for k, n in mlp.items()),
         "experts_summary": experts,
+        "features": features(m),
         "moe_layers": len(m["experts"]["layers"]),
         "params": m["params"],
         "trunk_bytes": m["trunk"]["bytes"], "trunk_format": m["trunk"]["format"],

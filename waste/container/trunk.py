@@ -12,7 +12,8 @@ import zlib
 
 import torch
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32"}   # the integer ones: quantized parts
 
 
 class TrunkWriter:

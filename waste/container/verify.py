@@ -22,18 +22,21 @@ def verify(path, progress: bool = True) -> list[str]:
     except DamagedContainer as e:
         return [str(e)]
     problems = []
-    try:
-        from safetensors.torch import load_file
+    for part in ("trunk", "vision"):     # the vision tower's file, when there is one, is checked the same way
+        if part not in m:
+            continue
+        try:
+            from safetensors.torch import load_file
 
-        tensors = load_file(str(root / m["trunk"]["file"]))
-        for name, crc in m["trunk"]["crc32"].items():
-            t = tensors.get(name)
-            if t is None:
-                problems.append(f"trunk tensor {name} is missing")
-            elif zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) != crc:
-                problems.append(f"trunk tensor {name} fails its checksum")
-    except Exception as e:   # a truncated or garbled safetensors file
-        problems.append(f"trunk {m['trunk']['file']} cannot be read: {e}")
+            tensors = load_file(str(root / m[part]["file"]))
+            for name, crc in m[part]["crc32"].items():
+                t = tensors.get(name)
+                if t is None:
+                    problems.append(f"{part} tensor {name} is missing")
+                elif zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) != crc:
+                    problems.append(f"{part} tensor {name} fails its checksum")
+        except Exception as e:   # a truncated or garbled safetensors file
+            problems.append(f"{part} {m[part]['file']} cannot be read: {e}")
     layers = m["experts"]["layers"]
     for key, info in tqdm(sorted(layers.items(), key=lambda kv: int(kv[0])), desc="verifying banks",
                           disable=not progress, unit="bank"):

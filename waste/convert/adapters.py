@@ -79,6 +79,14 @@ class Adapter:
         """The spelling this adapter expects for a checkpoint name that releases write more than one way."""
         return name
 
+    def dropped(self, name: str) -> str | None:
+        """Why a checkpoint tensor is deliberately left out (DeepSeek's MTP layers), or None: it is converted."""
+        return None
+
+    def vision_target(self, name: str) -> str | None:
+        """The vision file's name for a tensor of the vision tower, or None: not the tower's (docs/FORMAT.md)."""
+        return None
+
     def trunk_target(self, name: str) -> str:
         return name.removeprefix("model.")
 
@@ -217,6 +225,12 @@ class KimiLinearAdapter(Adapter):
 
 
 ADAPTERS = {a.family: a for a in (Qwen3MoeAdapter, KimiLinearAdapter)}
+
+from .adapter_glm5 import Glm5NextAdapter            # noqa: E402  (they subclass Adapter above)
+from .adapter_deepseek import DeepseekV3Adapter      # noqa: E402
+
+ADAPTERS.update({"glm5_next": Glm5NextAdapter, "glm5_next_text": Glm5NextAdapter,
+                 "deepseek_v3": DeepseekV3Adapter, "kimi_k2": DeepseekV3Adapter})
 
 
 def adapter_for(hf: dict) -> Adapter:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -15,18 +16,21 @@ from ..container.bank import BankWriter, RecordLayout
 from ..container.manifest import FORMAT_NAME, FORMAT_VERSION, TRUNK_FILE, bank_file, write_manifest
 from ..container.trunk import TrunkWriter
 from ..errors import WasteError
-from ..quant.formats import get_format
+from ..quant.formats import DEFAULT_EXPERTS, DEFAULT_TRUNK, get_format
+from ..quant.linear import part_name, quantizable
+from ..quant.parallel import ParallelQuantizer
 from .adapters import EXPERT_MATRICES, Adapter, adapter_for
+from .aside import VisionWriter, drop_notes
 from .source import Checkpoint
-
-TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "special_tokens_map.json",
-              "chat_template.jinja", "generation_config.json", "chat.json")
+from .text_files import plan_text
 
 
 def check_names(ckpt: Checkpoint, adapter: Adapter) -> None:
     """Name every missing or unexpected tensor before a byte is written."""
     expected = set(adapter.trunk_names()) | set(adapter.expected_expert_names())
-    have = {adapter.canonical(n) for n in ckpt.weight_names()}
+    original = {adapter.canonical(n): n for n in ckpt.weight_names()
+                if not adapter.dropped(n) and adapter.vision_target(n) is None}   # both set aside (aside.py)
+    have = set(original)
     if adapter.config["tie_word_embeddings"]:
         have.discard("lm_head.weight")
     missing, unexpected = sorted(expected - have), sorted(have - expected)
@@ -42,8 +46,8 @@ def check_names(ckpt: Checkpoint, adapter: Adapter) -> None:
     want = {"gate": [inter, h], "up": [inter, h], "down": [h, inter]}
     for name in adapter.expected_expert_names():
         _, _, mat = adapter.classify_expert(name)
-        if ckpt.shape(name) != want[mat]:
-            raise WasteError(f"{name} has shape {ckpt.shape(name)}, expected {want[mat]} from config.json")
+        if ckpt.shape(original[name]) != want[mat]:
+            raise WasteError(f"{name} has shape {ckpt.shape(original[name])}, expected {want[mat]} from config.json")
 
 
 def expert_layout(fmt_name: str, cfg: dict) -> RecordLayout:
@@ -52,25 +56,52 @@ def expert_layout(fmt_name: str, cfg: dict) -> RecordLayout:
     shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
     tensors = {}
     for m in EXPERT_MATRICES:
-        for suffix, t in fmt.pack(torch.zeros(shapes[m])).items():
-            tensors[f"{m}.{suffix}" if suffix else m] = t
+        for suffix, (dt, shape) in fmt.part_specs(shapes[m]).items():
+            tensors[f"{m}.{suffix}" if suffix else m] = torch.empty(shape, dtype=dt)
     return RecordLayout.from_tensors(tensors)
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "bf16", trunk: str = "bf16",
-            force: bool = False, progress: bool = True) -> Path:
+def released_expert_format(ckpt: Checkpoint, adapter: Adapter) -> str | None:
+    """The container format that keeps the release's quantized experts exactly (mxfp4; int4 -> q4gNN), or None."""
+    names = adapter.expected_expert_names()
+    if not names:
+        return None
+    original = {adapter.canonical(n): n for n in ckpt.weight_names()}
+    got = ckpt.released_parts(original.get(names[0], names[0]))
+    return got[0] if got else None
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "auto", trunk: str = DEFAULT_TRUNK,
+            force: bool = False, progress: bool = True, chat: str = "auto", workers: int | None = None) -> Path:
+    """chat: "auto" installs waste's chat.json for the family when the release has no template and its tokenizer
+    carries the markup (else the container is completion-only, and its manifest says why); "require" refuses
+    the conversion instead; "none" installs no chat.json (text_files.py).
+    experts: a format name, or "auto": as released when the release ships quantized experts (mxfp4 kept as is,
+    int4 as q4 nibbles holding the same values), else DEFAULT_EXPERTS. trunk: a format name (docs/LEARNED.md
+    says why the defaults). Matrices are quantized by `workers` threads (default one per core)."""
     src, out = Path(src).expanduser(), Path(out).expanduser()
     ckpt = Checkpoint(src)
     adapter = adapter_for(ckpt.config)
     check_names(ckpt, adapter)
+    text = plan_text(src, adapter.family, chat)   # tokenizer and chat format: refused here, before writing
+    released = released_expert_format(ckpt, adapter) if adapter.moe_layers() else None
+    if experts == "auto":
+        experts = released or DEFAULT_EXPERTS
     efmt, tfmt = get_format(experts), get_format(trunk)
+    if adapter.moe_layers():
+        h, inter = adapter.config["hidden_size"], adapter.config["moe"]["intermediate_size"]
+        for shape in ((inter, h), (h, inter)):
+            if not efmt.supports(shape):
+                raise WasteError(f"the {efmt.name} format cannot store this model's experts ({shape[0]} x {shape[1]} "
+                                 f"matrices, docs/FORMAT.md says which shapes each format takes): choose another --experts")
     if out.exists() and not force:
         raise WasteError(f"{out} already exists: remove it or pass --force")
     tmp = out.with_name(out.name + f".partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "experts").mkdir(parents=True)
     try:
-        manifest = _write(ckpt, adapter, efmt, tfmt, tmp, progress)
+        manifest = _write(ckpt, adapter, efmt, tfmt, tmp, progress, released == efmt.name, workers)
+        manifest["text"] = text.install(tmp)
         manifest["provenance"] = {"source": str(src), "converter": f"waste {__version__}",
                                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         write_manifest(tmp, manifest)
@@ -83,55 +114,99 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "bf16
     return out
 
 
-def _write(ckpt: Checkpoint, adapter: Adapter, efmt, tfmt, root: Path, progress: bool) -> dict:
+def _write(ckpt: Checkpoint, adapter: Adapter, efmt, tfmt, root: Path, progress: bool, keep_released: bool = False,
+           workers: int | None = None) -> dict:
     cfg = adapter.config
     trunk_src = {adapter.trunk_target(n): n for n in adapter.trunk_names()}
     specs = {}
+    quantized: dict[str, list[int]] = {}      # trunk matrices stored in the quantized trunk format, as parts
+    ffmt = tfmt if hasattr(tfmt, "dtype") else get_format("bf16")   # the float format of everything else
     original = {adapter.canonical(n): n for n in ckpt.weight_names()}
     for dst, n in trunk_src.items():
         shape = ckpt.shape(original[n])
-        specs[dst] = (torch.float32 if adapter.is_f32(dst, len(shape)) else tfmt.dtype, shape)
+        if adapter.is_f32(dst, len(shape)):
+            specs[dst] = (torch.float32, shape)
+        elif tfmt is not ffmt and quantizable(dst, shape, tfmt):
+            quantized[dst] = list(shape)
+            for suffix, (dt, pshape) in tfmt.part_specs(tuple(shape)).items():
+                specs[part_name(dst, suffix)] = (dt, list(pshape))
+        else:
+            specs[dst] = (ffmt.dtype, shape)
     tw = TrunkWriter(str(root / TRUNK_FILE), specs, {"format": FORMAT_NAME, "trunk_format": tfmt.name})
+    vision = VisionWriter(ckpt, adapter, ffmt, root, {"format": FORMAT_NAME, "trunk_format": ffmt.name})
     layout = expert_layout(efmt.name, cfg) if adapter.moe_layers() else None
     n_exp = cfg["moe"]["num_experts"] if layout else 0
     banks = {i: BankWriter(str(root / bank_file(i)), i, n_exp, layout) for i in adapter.moe_layers()}
     dst_of = {n: d for d, n in trunk_src.items()}
     pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    lock = threading.Lock()
     total = sum(ckpt.nbytes(n) for n in ckpt.weight_names())
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"converting (experts {efmt.name}, trunk {tfmt.name})",
+               disable=not progress)
+
+    def trunk_job(name, dst, nbytes):      # runs on a quantizer thread
+        def job():
+            t = ckpt.get(name)
+            if dst in quantized:
+                for suffix, part in tfmt.pack(t).items():
+                    tw.write(part_name(dst, suffix), part)
+            else:
+                tw.write(dst, t)
+            bar.update(nbytes)
+        return job
+
+    def expert_job(name, layer, e, mat, nbytes):
+        def job():
+            got = ckpt.released_parts(name) if keep_released else None
+            parts = got[1] if got else efmt.pack(ckpt.get(name))
+            with lock:
+                slot = pending.setdefault((layer, e), {})
+                for suffix, t in parts.items():
+                    slot[f"{mat}.{suffix}" if suffix else mat] = t
+                done = pending.pop((layer, e)) if len(slot) == len(layout.parts) else None
+            if done is not None:
+                banks[layer].write(e, done)
+            bar.update(nbytes)
+        return job
+
+    pool = ParallelQuantizer(workers)
     try:
         for shard in ckpt.shards:
             for name in ckpt.names_in(shard):
-                bar.update(ckpt.nbytes(name))
+                nbytes = ckpt.nbytes(name)
+                if vision.take(name, lambda: ckpt.get(name)):
+                    bar.update(nbytes)
+                    continue
                 hit = adapter.classify_expert(name)
                 if hit is None:
                     if adapter.canonical(name) in dst_of:
-                        tw.write(dst_of[adapter.canonical(name)], ckpt.get(name))
+                        pool.run(trunk_job(name, dst_of[adapter.canonical(name)], nbytes), 4 * _numel(ckpt, name))
+                    else:
+                        bar.update(nbytes)
                     continue
                 layer, e, mat = hit
-                slot = pending.setdefault((layer, e), {})
-                for suffix, t in efmt.pack(ckpt.get(name)).items():
-                    slot[f"{mat}.{suffix}" if suffix else mat] = t
-                if len(slot) == len(layout.parts):
-                    banks[layer].write(e, pending.pop((layer, e)))
+                pool.run(expert_job(name, layer, e, mat, nbytes), 4 * _numel(ckpt, name))
+        pool.close()
         tw.close()
+        vision_info = vision.close()
         for b in banks.values():
             b.close()
     finally:
+        pool.close(raise_error=False)
         bar.close()
-    trunk_params = sum(torch.Size(s).numel() for _, s in specs.values())
+    stored_parts = {part_name(d, x) for d, shp in quantized.items() for x in tfmt.part_specs(tuple(shp))}
+    trunk_params = sum(torch.Size(s).numel() for d, (_, s) in specs.items() if d not in stored_parts)
+    trunk_params += sum(torch.Size(s).numel() for s in quantized.values())
     expert_params = 3 * cfg["hidden_size"] * cfg["moe"]["intermediate_size"] if layout else 0
     n_moe = len(banks)
-    text = {}
-    for f in TEXT_FILES:
-        if (ckpt.src / f).is_file():
-            shutil.copy2(ckpt.src / f, root / f)
-            text[f.split(".")[0]] = f
+    text = {}   # convert() installs the text files (text_files.py)
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "family": adapter.family, "config": cfg,
         "trunk": {"file": TRUNK_FILE, "format": tfmt.name, "bytes": tw.bytes, "crc32": tw.crc32,
-                  "f32_tensors": sorted(d for d, (dt, _) in specs.items() if dt == torch.float32)},
-        "experts": {"format": efmt.name, "record_bytes": layout.record_bytes if layout else 0,
+                  "f32_tensors": sorted(d for d, (dt, _) in specs.items() if dt == torch.float32 and d not in stored_parts),
+                  "quantized": quantized},
+        "experts": {"format": efmt.name, "kept_as_released": bool(keep_released and layout),
+                    "record_bytes": layout.record_bytes if layout else 0,
                     "layout": layout.to_json() if layout else None,
                     "layers": {str(i): {"file": bank_file(i), "num_experts": n_exp} for i in banks},
                     "bytes": sum(b.header_bytes + n_exp * layout.record_bytes for b in banks.values())},
@@ -139,4 +214,13 @@ def _write(ckpt: Checkpoint, adapter: Adapter, efmt, tfmt, root: Path, progress:
         "params": {"total": trunk_params + n_moe * n_exp * expert_params,
                    "active": trunk_params + n_moe * (cfg["moe"]["top_k"] if layout else 0) * expert_params,
                    "trunk": trunk_params, "experts": n_moe * n_exp * expert_params},
+        **({"vision": vision_info} if vision_info else {}),
+        **({"notes": notes} if (notes := drop_notes(ckpt.weight_names(), adapter)) else {}),
     }
+
+
+def _numel(ckpt: Checkpoint, name: str) -> int:
+    n = 1
+    for d in ckpt.shape(name):
+        n *= d
+    return n

@@ -12,6 +12,9 @@ from ..errors import WasteError
 
 SCALE_SUFFIX = ".weight_scale_inv"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# compressed-tensors releases: `X.weight_packed` (+ companions) stands for the matrix `X.weight`
+PACKED_SUFFIX = ".weight_packed"
+CT_COMPANIONS = (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_global_scale")
 
 
 def read_config(src: Path) -> dict:
@@ -26,7 +29,7 @@ def read_config(src: Path) -> dict:
         inner = dict(cfg["text_config"])
         inner.setdefault("model_type", cfg.get("model_type"))
         inner.setdefault("quantization_config", cfg.get("quantization_config"))
-        for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "vision_config"):
             if k not in inner and k in cfg:
                 inner[k] = cfg[k]
         cfg = inner
@@ -76,6 +79,7 @@ class Checkpoint:
         if lost:
             raise WasteError(f"the index lists tensors its shards do not hold: {', '.join(lost[:5])}")
         self._handles: dict[str, object] = {}
+        self._packed_logical()
 
     def _open(self, f: str):
         try:
@@ -83,9 +87,32 @@ class Checkpoint:
         except Exception as e:   # safetensors raises its own error types for damaged files
             raise WasteError(f"cannot read {self.src / f}: {e}") from None
 
+    def _packed_logical(self) -> None:
+        """Give each compressed-tensors matrix (`X.weight_packed` + `X.weight_scale` [+ `X.weight_shape`]) a
+        logical entry `X.weight` with dtype MXFP4 (uint8 E2M1 pairs, uint8 E8M0 scales, groups of 32) or INT4
+        (int32 words of eight offset-8 nibbles, float scales per group)."""
+        self._skip = set()
+        for k in [k for k in self._meta if k.endswith(PACKED_SUFFIX)]:
+            base = k[:-len("_packed")]
+            dt, shape = self._meta[k]
+            if base + "_scale" not in self._meta:
+                raise WasteError(f"{k} has no {base}_scale companion")
+            if dt == "U8":
+                kind, logical = "MXFP4", [shape[0], shape[1] * 2]
+            elif dt == "I32":
+                kind, logical = "INT4", [shape[0], shape[1] * 8]
+                if base + "_shape" in self._meta:
+                    logical = [int(v) for v in self._handle(self.where[base + "_shape"]).get_tensor(base + "_shape")]
+            else:
+                raise WasteError(f"{k} is {dt}: this converter reads packed uint8 (mxfp4) or int32 (int4) weights")
+            self._meta[base], self.where[base] = (kind, logical), self.where[k]
+            self._skip.add(k)
+            self._skip.update(base + c[len(".weight"):] for c in CT_COMPANIONS)
+
     def weight_names(self) -> list[str]:
-        """Every tensor that is a parameter (fp8 scale companions and ignorable buffers excluded)."""
-        return [k for k in self._meta if not k.endswith(SCALE_SUFFIX) and not k.endswith(IGNORED_SUFFIXES)]
+        """Every tensor that is a parameter (fp8 scale companions, packed companions and ignorable buffers excluded)."""
+        return [k for k in self._meta if not k.endswith(SCALE_SUFFIX) and not k.endswith(IGNORED_SUFFIXES)
+                and k not in self._skip]
 
     def shape(self, name: str) -> list[int]:
         return self._meta[name][1]
@@ -97,13 +124,43 @@ class Checkpoint:
         n = 1
         for d in self.shape(name):
             n *= d
-        return n * {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8}.get(self.dtype(name), 4)
+        return int(n * {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "MXFP4": 0.53, "INT4": 0.53}.get(self.dtype(name), 4))
 
     def names_in(self, shard: str) -> list[str]:
         return sorted(k for k in self.weight_names() if self.where[k] == shard)
 
+    def released_parts(self, name: str):
+        """(format name, parts) of a matrix the release ships quantized, in a container format that holds its
+        values exactly: mxfp4 as is; int4 (bf16 scales, group 32..256) as q4 nibbles with zero 0. Else None."""
+        kind = self.dtype(name)
+        if kind not in ("MXFP4", "INT4"):
+            return None
+        h = self._handle(self.where[name])
+        packed, scale = h.get_tensor(name + "_packed"), h.get_tensor(name + "_scale")
+        N, K = self.shape(name)
+        if kind == "MXFP4":
+            return "mxfp4", {"blocks": packed.contiguous(), "scales": scale.contiguous()}
+        g = K // scale.shape[1]
+        if scale.dtype != torch.bfloat16 or g not in (32, 64, 128, 256) or N % 2:
+            return None
+        from ..quant.int4pack import pack_nibbles
+
+        sz = torch.stack([scale.t(), torch.zeros_like(scale.t())], -1).contiguous()
+        return f"q4g{g}", {"q": pack_nibbles(_int4_nibbles(packed, N, K)), "sz": sz}
+
     def get(self, name: str) -> torch.Tensor:
-        """The tensor as float32 (fp8 blocks dequantized with their scale companion)."""
+        """The tensor as float32 (fp8 blocks dequantized with their scale companion, packed weights unpacked)."""
+        if self.dtype(name) in ("MXFP4", "INT4"):
+            h = self._handle(self.where[name])
+            packed, scale = h.get_tensor(name + "_packed"), h.get_tensor(name + "_scale")
+            N, K = self.shape(name)
+            if self.dtype(name) == "MXFP4":
+                from ..quant.lowbit import mx_dequantize
+
+                return mx_dequantize(packed, scale, N, K)
+            q = _int4_nibbles(packed, N, K).float() - 8
+            g = K // scale.shape[1]
+            return (q.view(N, K // g, g) * scale.float()[..., None]).view(N, K)
         t = self._handle(self.where[name]).get_tensor(name)
         if t.dtype == torch.float8_e4m3fn:
             comp = name.removesuffix(".weight") + SCALE_SUFFIX
@@ -120,3 +177,10 @@ class Checkpoint:
                 self._handles.pop(next(iter(self._handles)))
             self._handles[f] = self._open(f)
         return self._handles[f]
+
+
+def _int4_nibbles(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """compressed-tensors pack-quantized int4: int32 words, element 8w + i in bits 4i..4i+3, stored as value + 8."""
+    words = packed.view(N, -1).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    return ((words[..., None] >> shifts) & 15).view(N, -1)[:, :K].to(torch.uint8)

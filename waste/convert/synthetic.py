@@ -14,30 +14,31 @@ from safetensors.torch import save_file
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def byte_level_tokenizer_json(merges_text: str | None = None, vocab_size: int = 512) -> str:
+def byte_level_tokenizer_json(merges_text: str | None = None, vocab_size: int = 512, specials=SPECIALS) -> str:
     """A ByteLevel BPE tokenizer.json. With merges_text, BPE merges are trained on it (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([merges_text or ""], trainer=trainer)
     return tok.to_str()
 
 
-def write_tokenizer(dst: Path, merges_text: str | None = None, vocab_size: int = 512) -> int:
-    """Writes tokenizer.json + tokenizer_config.json; returns the vocabulary size."""
+def write_tokenizer(dst: Path, merges_text: str | None = None, vocab_size: int = 512, specials=SPECIALS) -> int:
+    """Writes tokenizer.json + tokenizer_config.json; returns the vocabulary size. `specials` (the ChatML
+    markers by default) become special tokens; the first is the end-of-sequence token."""
     from tokenizers import Tokenizer
 
-    js = byte_level_tokenizer_json(merges_text, vocab_size)
+    js = byte_level_tokenizer_json(merges_text, vocab_size, specials)
     (dst / "tokenizer.json").write_text(js)
     n = Tokenizer.from_str(js).get_vocab_size()
     added = {str(Tokenizer.from_str(js).token_to_id(s)): {"content": s, "special": True, "lstrip": False, "rstrip": False,
-                                                            "normalized": False, "single_word": False} for s in SPECIALS}
+                                                            "normalized": False, "single_word": False} for s in specials}
     (dst / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": specials[0], "pad_token": specials[0],
         "bos_token": None, "model_max_length": 4096, "added_tokens_decoder": added}, indent=1))
     return n
 

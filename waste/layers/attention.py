@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..quant.linear import linear
 from .norm import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
@@ -48,9 +49,9 @@ def causal_softmax_attend(q, k, v, scale: float, start: int) -> torch.Tensor:
 def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, positions: torch.Tensor):
     T = x.shape[0]
     H, KV, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(T, H, d)
-    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(T, KV, d)
-    v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(T, KV, d)
+    q = linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(T, H, d)
+    k = linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(T, KV, d)
+    v = linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(T, KV, d)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm.weight"], cfg.eps)
         k = rms_norm(k, w["k_norm.weight"], cfg.eps)
@@ -62,4 +63,4 @@ def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, positi
     kk = cache.k.repeat_interleave(rep, dim=1) if rep > 1 else cache.k
     vv = cache.v.repeat_interleave(rep, dim=1) if rep > 1 else cache.v
     o = causal_softmax_attend(q, kk, vv, d ** -0.5, start)
-    return F.linear(o.reshape(T, H * d), w["o_proj.weight"]), cache
+    return linear(o.reshape(T, H * d), w["o_proj.weight"]), cache

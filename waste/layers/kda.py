@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..quant.linear import linear
+
 CHUNK = 64
 QK_NORM_EPS = 1e-6
 
@@ -29,6 +31,7 @@ class KDAConfig:
     head_dim: int
     conv_kernel: int
     eps: float  # o_norm (gated RMSNorm) epsilon: the model's rms_norm_eps
+    lower_bound: float | None = None  # GLM-5.3's safe gate: g = lower_bound * sigmoid(exp(A_log) * f); None: Kimi's gate
 
 
 @dataclass
@@ -64,7 +67,7 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
 
 
 def _linear(x: Tensor, w: Tensor) -> Tensor:
-    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+    return linear(x, w)   # a float tensor (cast to x's dtype) or a quantized trunk matrix
 
 
 def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor) -> tuple[Tensor, Tensor]:
@@ -82,11 +85,16 @@ def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor) -> tuple[Tensor, T
 
 
 def kda_gate(x: Tensor, w: dict[str, Tensor], cfg: KDAConfig, dtype: torch.dtype) -> Tensor:
-    """Per-channel log-decay g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), [T, H, d] in dtype (<= 0)."""
+    """Per-channel log-decay g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), [T, H, d] in dtype (<= 0).
+
+    With cfg.lower_bound (GLM-5.3-Flash): g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias)),
+    which keeps every step's decay inside (lower_bound, 0)."""
     H, d = cfg.num_heads, cfg.head_dim
     f = _linear(_linear(x, w["f_a_proj.weight"]), w["f_b_proj.weight"]).to(dtype)
     f = f + w["dt_bias"].to(dtype).reshape(H * d)
     A = torch.exp(w["A_log"].to(dtype).reshape(H))  # stored [1,1,H,1] (Kimi) or [H] (GLM)
+    if cfg.lower_bound is not None:
+        return cfg.lower_bound * torch.sigmoid(A[:, None] * f.view(-1, H, d))
     return -A[:, None] * F.softplus(f.view(-1, H, d))
 
 

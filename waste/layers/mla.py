@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from waste.layers.norm import rms_norm
+from waste.quant.linear import linear
 
 # rope(q_pe [T, H, r], k_pe [T, r], positions [T] int64) -> (q_pe, k_pe), both in the same layout
 Rope = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -56,7 +57,7 @@ class MLACache:
 
 
 def _linear(x: Tensor, w: Tensor) -> Tensor:
-    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+    return linear(x, w)   # a float tensor (cast to x's dtype) or a quantized trunk matrix
 
 
 def _softmax(scores: Tensor) -> Tensor:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..errors import WasteError
 
-SUPPORTED = ("qwen3_moe", "kimi_linear")
+SUPPORTED = ("qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3")
 
 
 def check_family(family: str) -> None:
@@ -15,6 +15,10 @@ def build_model(family: str, config: dict, trunk: dict, experts, dtype, f32_name
     check_family(family)
     if family == "qwen3_moe":
         from .qwen3_moe import Qwen3Moe as cls
+    elif family == "glm5_next":
+        from .glm5_next import Glm5Next as cls
+    elif family == "deepseek_v3":
+        from .deepseek_v3 import DeepseekV3 as cls
     else:
         from .kimi_linear import KimiLinear as cls
     return cls(config, trunk, experts, dtype, f32_names)

@@ -1,8 +1,9 @@
 """Storage formats for weight matrices.
 
 A format turns a float matrix into named parts (raw tensors) and back. The container stores parts;
-the runtime asks the format to rebuild a matrix it can multiply with. Quantized formats (next issues)
-add parts such as `q` and `scale` beside each other in the same record.
+the runtime multiplies through the format's own `linear` (a packed kernel for quantized formats). Quantized
+formats (intq.py: q8, q4; lowbit.py: vq3, mxfp4) add parts such as `q` and `scale` beside each other in the
+same record; docs/FORMAT.md gives their byte layouts.
 """
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ class Format:
     def unpack(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def part_specs(self, shape: tuple[int, ...]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """suffix -> (dtype, shape) of the parts pack() makes for a matrix of this shape, without packing one."""
+        return {k: (v.dtype, tuple(v.shape)) for k, v in self.pack(torch.zeros(shape)).items()}
+
+    def supports(self, shape: tuple[int, ...]) -> bool:
+        """Can pack() take a matrix of this shape? (The trunk keeps the others in bf16.)"""
+        return True
+
+    def prepare(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """Parts ready for linear(), e.g. repacked for this machine's kernel: a pure function of the stored parts."""
+        return parts
+
     def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         """x [T, in] @ W.T for the matrix these parts hold; the result has x's dtype. Formats with a faster
         kernel than unpack-then-F.linear override this."""
@@ -36,6 +49,9 @@ class Plain(Format):
     def pack(self, w):
         return {"": w.to(self.dtype).contiguous()}
 
+    def part_specs(self, shape):
+        return {"": (self.dtype, tuple(shape))}
+
     def unpack(self, parts, shape, dtype):
         return parts[""].view(shape).to(dtype)
 
@@ -45,9 +61,24 @@ FORMATS: dict[str, Format] = {
 }
 
 
+# What `waste convert` writes when not told otherwise (docs/LEARNED.md, "Quantized formats", says why).
+DEFAULT_EXPERTS = "q4"
+DEFAULT_TRUNK = "q8"
+
+
+def _register_quantized() -> None:
+    from . import intq, lowbit
+
+    for f in (intq.Q8(), intq.Q4("q4", 64), *(intq.Q4(f"q4g{g}", g) for g in (32, 64, 128, 256)),
+              lowbit.VQ3(), lowbit.MXFP4()):
+        FORMATS[f.name] = f
+
+
 def get_format(name: str) -> Format:
     from ..errors import WasteError
 
+    if len(FORMATS) == 3:
+        _register_quantized()
     if name not in FORMATS:
         raise WasteError(f"unknown weight format {name!r}; known formats: {', '.join(sorted(FORMATS))}")
     return FORMATS[name]

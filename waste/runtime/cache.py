@@ -2,9 +2,7 @@
 
 - One preallocated, page-aligned slab; (layer, expert) -> slot. A record is read once, straight into its
   slot (bankio), and unpacked from there each time it is used.
-- Eviction is LFRU: every slot carries a frequency that decays with a half-life of `half_life` tokens and
-  grows by one per use, so a slot's score is "how often, lately". The lowest score is evicted; ties go to
-  the least recently used. Half-life -> 0 is LRU, -> infinity is LFU (docs/LEARNED.md compares them).
+- Eviction is LFRU (policy.py): frequency with aging plus recency; docs/LEARNED.md compares it with LRU.
 - A layer call asks for all the experts it needs at once: hits are computed while the misses are read by
   a pool of threads (pread releases the GIL); when every record is resident nothing waits on I/O.
 - When the whole bank fits in the budget, a background fill walks the banks in file order and fills empty
@@ -26,6 +24,7 @@ from ..errors import WasteError
 from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
 from .experts import ExpertStats, expert_swiglu
+from .policy import LFRU
 
 
 class ExpertCache:
@@ -38,6 +37,7 @@ class ExpertCache:
         self.fmt = get_format(self.format)
         h, inter = cfg["hidden_size"], (cfg.get("moe") or {}).get("intermediate_size", 0)
         self.shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+        self.swiglu_limit = cfg.get("swiglu_limit")    # clamped SwiGLU (GLM-5.3): the experts' activation
         self.dtype, self.verify = dtype, verify
         self.n_records = sum(b.num_experts for b in self.banks.values())
         bank_bytes = self.n_records * self.record_bytes
@@ -51,10 +51,7 @@ class ExpertCache:
         self.slot_of: dict[tuple[int, int], int] = {}
         self.key_of: list[tuple[int, int] | None] = [None] * self.n_slots
         self.free = list(range(self.n_slots - 1, -1, -1))
-        self.freq = np.zeros(self.n_slots)
-        self.last = np.zeros(self.n_slots)
-        self.decay = 0.5 ** (1.0 / half_life) if half_life > 0 else 0.0
-        self.now = 0.0
+        self.policy = LFRU(self.n_slots, half_life)
         self.step = 1.0 / max(len(self.banks), 1)     # one token = one call per MoE layer
         self.layout = next(iter(self.banks.values())).layout if self.banks else None
         self.readers = {l: BankReader(b, direct) for l, b in self.banks.items()}
@@ -78,9 +75,6 @@ class ExpertCache:
     def slot_tensor(self, slot: int) -> torch.Tensor:
         return self.slab[slot * self.record_bytes:(slot + 1) * self.record_bytes]
 
-    def _score(self, slots):
-        return self.freq[slots] * self.decay ** (self.now - self.last[slots])
-
     def _take_slots(self, n: int, pinned: set[int]) -> list[int]:
         """n slots for new records: free ones first, then the lowest-scoring unpinned residents."""
         out = [self.free.pop() for _ in range(min(n, len(self.free)))]
@@ -91,17 +85,12 @@ class ExpertCache:
             need = n - len(out)
             if len(cand) < need:
                 raise WasteError("the expert budget is too small for one layer's experts at once: raise --budget")
-            order = np.lexsort((self.last[cand], self._score(cand)))[:need]
-            for s in cand[order].tolist():
+            for s in self.policy.victims(cand, need).tolist():
                 del self.slot_of[self.key_of[s]]
                 self.key_of[s] = None
                 self.stats.evictions += 1
                 out.append(s)
         return out
-
-    def _touch(self, slot: int) -> None:
-        self.freq[slot] = self._score(slot) + 1.0
-        self.last[slot] = self.now
 
     def _read(self, key, slot) -> float:
         return self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
@@ -135,21 +124,32 @@ class ExpertCache:
 
     # -- the store interface -----------------------------------------------------------------------
     def apply(self, layer: int, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.apply_many(layer, [(x, idx, weights)])[0]
+
+    def apply_many(self, layer: int, calls) -> list[torch.Tensor]:
+        """[(x, idx, weights), ...], one per sequence -> each one's output, bit-identical to `apply` on it alone.
+        The union of their experts is made resident once (one read, or one hit, serves every call routed to an
+        expert); each call's rows are computed apart, never concatenated with another's (a matmul's last bits
+        depend on its row count), and summed in ascending expert id."""
         if self.damage is not None:
             raise self.damage
-        needed = torch.unique(idx).tolist()
-        ys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        needs = [torch.unique(idx).tolist() for _, idx, _ in calls]
+        union = sorted(set().union(*needs))
+        ys: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in calls]
         # a call may need more experts than there are slots (a long prefill on a tiny budget): take them in groups
-        for g in range(0, len(needed), max(self.n_slots, 1)):
-            self._apply_group(layer, x, idx, weights, needed[g:g + self.n_slots], ys)
-        self.now += self.step
-        out = torch.zeros_like(x)
-        for e in needed:                          # ascending expert id: the same sum whatever was cached
-            rows, y = ys[e]
-            out.index_add_(0, rows, y)
-        return out
+        for g in range(0, len(union), max(self.n_slots, 1)):
+            self._apply_group(layer, calls, needs, union[g:g + self.n_slots], ys)
+        self.policy.advance(self.step)
+        outs = []
+        for (x, _, _), needed, y in zip(calls, needs, ys):
+            out = torch.zeros_like(x)
+            for e in needed:                      # ascending expert id: the same sum whatever was cached
+                rows, v = y[e]
+                out.index_add_(0, rows, v)
+            outs.append(out)
+        return outs
 
-    def _apply_group(self, layer, x, idx, weights, experts, ys) -> None:
+    def _apply_group(self, layer, calls, needs, experts, ys) -> None:
         waits: dict[int, Future] = {}
         resident: list[int] = []
         with self.lock:
@@ -159,7 +159,7 @@ class ExpertCache:
             for e, s in zip(misses, slots):
                 key = (layer, e)
                 self.slot_of[key], self.key_of[s] = s, key
-                self.freq[s] = 0.0
+                self.policy.reset(s)
                 waits[e] = self.pool.submit(self._read, key, s)
                 self.loading[key] = waits[e]
             for e in experts:
@@ -169,15 +169,22 @@ class ExpertCache:
                         waits[e] = self.loading[key]
                     else:
                         resident.append(e)
-                self._touch(self.slot_of[key])
+                self.policy.touch(self.slot_of[key])
             n_hit, n_miss = len(experts) - len(misses), len(misses)
             self.stats.hits += n_hit
             self.stats.misses += n_miss
             pl = self.stats.per_layer.setdefault(layer, [0, 0])
             pl[0] += n_hit
             pl[1] += n_miss
+        wanted = [set(n) for n in needs]
+
+        def run(e):
+            for c, (x, idx, weights) in enumerate(calls):
+                if e in wanted[c]:
+                    ys[c][e] = self._run_expert(layer, e, x, idx, weights)
+
         for e in resident:                         # compute on what is here while the reads run
-            ys[e] = self._run_expert(layer, e, x, idx, weights)
+            run(e)
         for e in sorted(waits):
             fut = waits[e]
             try:
@@ -191,7 +198,7 @@ class ExpertCache:
                     self.loading.pop((layer, e), None)
                     self.stats.bytes_read += self.record_bytes
                     self.stats.read_seconds += dt
-            ys[e] = self._run_expert(layer, e, x, idx, weights)
+            run(e)
 
     def _forget(self, key) -> None:
         self.loading.pop(key, None)
@@ -203,7 +210,7 @@ class ExpertCache:
     def _run_expert(self, layer, e, x, idx, weights):
         rows, cols = (idx == e).nonzero(as_tuple=True)
         views = self.layout.views(self.slot_tensor(self.slot_of[(layer, e)]))
-        y = expert_swiglu(x[rows], views, self.fmt, self.shapes) * weights[rows, cols, None]
+        y = expert_swiglu(x[rows], views, self.fmt, self.shapes, self.swiglu_limit) * weights[rows, cols, None]
         return rows, y.to(x.dtype)
 
     # -- lifecycle ---------------------------------------------------------------------------------

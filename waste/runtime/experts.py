@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+from ..layers.mlp import swiglu_act
 
 
 @dataclass
@@ -31,8 +32,10 @@ def parts_of(views: dict[str, torch.Tensor], matrix: str) -> dict[str, torch.Ten
             if k == matrix or k.startswith(matrix + ".")}
 
 
-def expert_swiglu(x: torch.Tensor, views: dict[str, torch.Tensor], fmt, shapes: dict) -> torch.Tensor:
-    """down(silu(gate x) * up x) straight from a record's stored parts, through the format's own matmul."""
+def expert_swiglu(x: torch.Tensor, views: dict[str, torch.Tensor], fmt, shapes: dict,
+                  limit: float | None = None) -> torch.Tensor:
+    """down(silu(gate x) * up x) straight from a record's stored parts, through the format's own matmul.
+    limit: the config's `swiglu_limit` (clamped SwiGLU, layers/mlp.py swiglu_act); None for the plain form."""
     g = fmt.linear(x, parts_of(views, "gate"), shapes["gate"])
     u = fmt.linear(x, parts_of(views, "up"), shapes["up"])
-    return fmt.linear(F.silu(g) * u, parts_of(views, "down"), shapes["down"])
+    return fmt.linear(swiglu_act(g, u, limit), parts_of(views, "down"), shapes["down"])

@@ -77,10 +77,15 @@ def trunk_resident_bytes(container: Container, dtype: torch.dtype) -> int:
     f32 = set(container.manifest["trunk"].get("f32_tensors", []))
     size = torch.empty(0, dtype=dtype).element_size()
     total = 0
+    quantized = container.manifest["trunk"].get("quantized") or {}     # parts of these stay as stored
+    stored = {"I8": 1, "U8": 1, "I32": 4, "BF16": 2, "F16": 2, "F32": 4}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         numel = math.prod(info["shape"])
+        if quantized and name.rsplit(".", 1)[0] in quantized:
+            total += numel * stored[info["dtype"]]
+            continue
         total += numel * (4 if name in f32 else size)
     return total
 

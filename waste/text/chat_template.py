@@ -56,6 +56,11 @@ class ChatTemplate:
         """The template's own strings (text and constants), NUL-joined: where its markup comes from."""
         return _literal_text(self.source)
 
+    @property
+    def variables(self) -> frozenset[str]:
+        """The names the template reads from its context (messages, tools, enable_thinking, ...)."""
+        return _variables(self.source)
+
     def render(self, messages, tools=None, documents=None, add_generation_prompt=False, **kwargs) -> str:
         """The exact string HF `apply_chat_template(..., tokenize=False)` renders."""
         data = _inputs(messages, tools, documents)
@@ -309,6 +314,13 @@ def _environment():
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, dict=TemplateDict(), namespace=Namespace)
     return env
+
+
+@lru_cache(maxsize=32)
+def _variables(source: str) -> frozenset[str]:
+    from jinja2 import meta
+
+    return frozenset(meta.find_undeclared_variables(_environment().parse(source)))
 
 
 @lru_cache(maxsize=32)

@@ -338,8 +338,11 @@ def tokenizer_files(src_dir) -> list[Path]:
     """The files a container must carry to load the same tokenizer."""
     d = Path(src_dir)
     config = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
-    main = "tiktoken.model" if _choose(d, config) == "tiktoken" else "tokenizer.json"
-    return [d / n for n in (main, "tokenizer_config.json", "special_tokens_map.json") if (d / n).is_file()]
+    kind = _choose(d, config)
+    main = "tiktoken.model" if kind == "tiktoken" else "tokenizer.json"
+    files = [d / n for n in (main, "tokenizer_config.json", "special_tokens_map.json") if (d / n).is_file()]
+    # tokenization_*.py is where a tiktoken release's pattern is recognised (never executed)
+    return files + (sorted(d.glob("tokenization_*.py")) if kind == "tiktoken" else [])
 
 
 def read_ranks(path) -> dict[bytes, int]:

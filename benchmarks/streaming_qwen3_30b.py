@@ -1,0 +1,92 @@
+"""Streaming benchmark: a Qwen3-30B-A3B-shaped model whose expert bank is about twice the memory limit.
+
+Widths are Qwen3-30B-A3B's (hidden 2048, 128 experts, top-8, moe_intermediate 768, 32 query / 4 KV heads,
+head_dim 128); the layer count is chosen so the bf16 bank is about 2x the limit. Weights are seeded random,
+so routing is close to uniform: the hit rate follows budget / bank, where a trained model's skewed routing
+does better (docs/LEARNED.md). The vocabulary is the small synthetic one (the trunk is not what is measured).
+
+    python benchmarks/streaming_qwen3_30b.py build --dir /tmp/q30b          # writes the release + container
+    ../shared/tools/laptop --drop-caches 8G -- waste bench /tmp/q30b/q30b.waste -n 32 --prompt-len 16 --json
+    python benchmarks/streaming_qwen3_30b.py run --dir /tmp/q30b --limit 8G --repeat 3   # does the line above
+
+Nothing here is a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from waste.convert.convert import convert
+from waste.convert.synthetic import qwen3_moe_config, write_random_qwen3_moe
+from waste.units import parse_size
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+def shape(limit_bytes: int, factor: float = 2.0) -> dict:
+    record = 3 * 768 * 2048 * 2 + 4096          # bf16 gate/up/down, padded to 4 KiB
+    layers = math.ceil(factor * limit_bytes / (128 * record))
+    return qwen3_moe_config(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                            num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+
+
+def build(d: Path, limit: int) -> Path:
+    out = d / "q30b.waste"
+    if (out / "manifest.json").is_file():
+        return out
+    src = d / "src"
+    write_random_qwen3_moe(src, shape(limit), seed=0, shard_bytes=2 << 30, progress=True)
+    convert(src, out, force=True)
+    shutil.rmtree(src)        # the release is only needed to convert
+    return out
+
+
+def run(d: Path, limit: str, repeat: int, n: int, prompt_len: int) -> list[dict]:
+    results = []
+    for _ in range(repeat):
+        cmd = [str(SHARED / "tools" / "laptop"), "--drop-caches", limit, "--", sys.executable, "-m", "waste", "bench",
+               str(d / "q30b.waste"), "-n", str(n), "--prompt-len", str(prompt_len), "--json"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"bench failed ({p.returncode}): {p.stderr[-2000:]}")
+        r = json.loads(p.stdout)
+        r["laptop"] = p.stderr.strip().splitlines()[-1]
+        results.append(r)
+        dec = r["decode"]
+        print(f"decode {dec['tok_per_s']:.3f} tok/s, hit {100 * dec['hit_rate']:.1f}%, read {dec['bytes_read'] / 1e9:.2f} GB "
+              f"at {dec['read_gb_per_s']:.2f} GB/s; I/O bound {dec['io_bound_tok_per_s'] or 0:.3f} tok/s; "
+              f"disk {r['disk_bandwidth_gb_per_s']:.2f} GB/s | {r['laptop']}", flush=True)
+    tps = [r["decode"]["tok_per_s"] for r in results]
+    bound = [r["decode"]["io_bound_tok_per_s"] or 0 for r in results]
+    print(f"median decode {statistics.median(tps):.3f} tok/s (range {min(tps):.3f}-{max(tps):.3f}); "
+          f"median ratio to the I/O bound {statistics.median(t / b for t, b in zip(tps, bound) if b):.2f}")
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["build", "run"])
+    ap.add_argument("--dir", default="/tmp/q30b")
+    ap.add_argument("--limit", default="8G")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("-n", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    a = ap.parse_args()
+    d = Path(a.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    if a.what == "build":
+        print(build(d, parse_size(a.limit)))
+    else:
+        res = run(d, a.limit, a.repeat, a.n, a.prompt_len)
+        (d / "results.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Quantized storage formats: kernels against their own unpacking, containers against the oracle and the
+bf16 container, formats kept as released, routing to fewer experts. Bounds come from docs/LEARNED.md §Quant."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import waste
+from waste.convert.convert import convert
+from waste.default_model import BUNDLED
+from waste.errors import WasteError
+from waste.quant import int4pack
+from waste.quant.formats import get_format
+from waste.quant.quality import agreement, compare, greedy, rel_error
+
+HELDOUT = Path(__file__).parent / "data" / "heldout_waste_source.py.txt"
+TIE = 0.05        # a top-2 logit gap below this is a near-tie: either token is a right answer (seed 0.7.0)
+
+# measured on the bundled model (docs/LEARNED.md, "Quantized formats: quality"); each bound is the lead's target
+# where the format meets it, else the measured figure with headroom for the shorter CI text
+# vq3 is not here yet: converting the bundled model to it (k-means on 384 matrices) takes minutes on 2 cores
+BOUNDS = {("q8", "bf16"): 1e-3, ("q8", "q8"): 2.5e-3, ("q4", "q8"): 3e-2}
+
+
+@pytest.mark.parametrize("name", ["q8", "q4", "q4g32", "q4g128", "vq3", "mxfp4"])
+@pytest.mark.parametrize("shape", [(96, 256), (256, 96), (64, 32), (48, 64)])
+def test_kernel_equals_unpacked_matmul(name, shape):
+    fmt = get_format(name)
+    if not fmt.supports(shape) or (name == "vq3" and shape[0] * shape[1] > 4096):   # k-means: keep it quick
+        pytest.skip(f"{name} does not take {shape}")
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) / shape[1] ** 0.5
+    parts = fmt.pack(w)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in parts.items()} == fmt.part_specs(shape)
+    d = fmt.unpack(parts, shape, torch.float32)
+    assert rel_error(fmt, w) < {"q8": 0.01, "vq3": 0.25, "mxfp4": 0.15}.get(name, 0.1)
+    for T in (1, 3, 9):
+        x = torch.randn(T, shape[1])
+        y = fmt.linear(x, parts, shape)
+        assert y.dtype == torch.float32
+        assert ((y - x @ d.T).norm() / (x @ d.T).norm()).item() < 1e-5
+    yb = fmt.linear(x.bfloat16(), parts, shape)
+    assert yb.dtype == torch.bfloat16 and ((yb.float() - x @ d.T).norm() / (x @ d.T).norm()).item() < 2e-2
+
+
+def test_nibble_layout_is_torchs_int4pack_operand_and_repacks_elsewhere(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    for N, K in ((64, 64), (48, 32), (208, 96), (6, 8)):
+        q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+        p = int4pack.pack_nibbles(q)
+        assert torch.equal(int4pack.unpack_nibbles(p, N, K), q)
+        if int4pack.native() and N % 16 == 0:
+            assert torch.equal(torch._convert_weight_to_int4pack_for_cpu(q.int(), 2).reshape(-1), p.reshape(-1))
+    fmt, w, x = get_format("q4"), torch.randn(96, 256, generator=g), torch.randn(2, 256, generator=g)
+    parts = fmt.pack(w)
+    y = fmt.linear(x, parts, (96, 256))
+    monkeypatch.setattr(int4pack, "native", lambda: False)   # as on an AVX2 or ARM build: repack, same numbers
+    assert torch.allclose(fmt.linear(x, fmt.prepare(parts, (96, 256)), (96, 256)), y, rtol=1e-5, atol=1e-6)
+
+
+def _oracle_gap_and_argmax(hf, ids):
+    with torch.no_grad():
+        logits = hf(torch.tensor(ids)[None]).logits[0]
+    top2 = logits.topk(2, -1).values
+    return top2[:, 0] - top2[:, 1], logits.argmax(-1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"])
+def test_q8_container_follows_the_oracle_except_at_near_ties(family, releases, tmp_path):
+    """Greedy continuation of the q8 container (experts and trunk) against transformers on the release's weights:
+    equal up to the oracle's first near-tie, and teacher-forced top-1 equal wherever the oracle is not tied.
+    (Kimi-Linear's random fixture is not held to this: its q8 KL is 9e-3, docs/LEARNED.md.)"""
+    hf, src, _ = releases[family]
+    out = convert(src, tmp_path / "q8.waste", experts="q8", trunk="q8", progress=False)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["experts"]["format"] == "q8" and m["trunk"]["format"] == "q8" and m["trunk"]["quantized"]
+    prompt = torch.randint(3, 290, (8,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    gap, _ = _oracle_gap_and_argmax(hf, prompt + ref)
+    with waste.load(out, dtype="float32") as eng:
+        got = greedy(eng, prompt, 32)
+        n = agreement(got, ref)
+        assert n == 32 or gap[len(prompt) - 1 + n] < TIE, (n, gap[len(prompt) - 1 + n])
+        seq = prompt + ref
+        ours = eng.model.forward(torch.tensor(seq), eng.model.new_state(), 0).argmax(-1)
+    theirs = torch.tensor(seq[1:] + [-1])
+    clear = gap >= TIE
+    clear[: len(prompt) - 1] = False
+    clear[-1] = False
+    assert clear.sum() > 16 and torch.equal(ours[clear], theirs[clear])
+
+
+@pytest.fixture(scope="module")
+def bundled_ref(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant-bundled")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ref = waste.load(convert(BUNDLED, root / "bf16.waste", experts="bf16", trunk="bf16", progress=False), dtype="float32")
+    ids = ref.encode(HELDOUT.read_text())[:1024]
+    prompts = [ref.encode("def fibonacci(n):"), ref.encode("class Cache:\n    def __init__(self")]
+    yield root, ref, ids, prompts, {}
+    ref.close()
+    torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("experts,trunk", list(BOUNDS))
+def test_quality_on_the_bundled_model(experts, trunk, bundled_ref):
+    root, ref, ids, prompts, cache = bundled_ref
+    out = convert(BUNDLED, root / f"{experts}-{trunk}.waste", experts=experts, trunk=trunk, progress=False)
+    with waste.load(out, dtype="float32") as eng:
+        q = compare(ref, eng, ids, prompts, n=16, ref_cache=cache)
+    assert q.kl <= BOUNDS[(experts, trunk)], q
+    assert q.top1 >= {"q8": 0.97, "q4": 0.85, "vq3": 0.7}[experts], q
+    if experts == "q8":
+        assert q.greedy_same >= q.greedy_total // 2, q
+
+
+def test_quantized_output_is_identical_across_budgets(bundled_ref):
+    root, _, ids, _, _ = bundled_ref
+    out = convert(BUNDLED, root / "det.waste", experts="q4", trunk="q8", progress=False, workers=2)
+    seq = torch.tensor(ids[:40])
+    with waste.load(out, dtype="float32", preload=False) as eng:
+        full = eng.model.forward(seq, eng.model.new_state(), 0)
+        ws = eng.plan.working_set_bytes
+    with waste.load(out, dtype="float32", budget=ws, preload=False) as eng:
+        small = eng.model.forward(seq, eng.model.new_state(), 0)
+        assert eng.experts.stats.evictions > 0
+    assert torch.equal(full, small)
+
+
+def test_routing_to_fewer_experts(bundled_ref):
+    root, ref, ids, prompts, cache = bundled_ref
+    path = ref.container.root
+    with pytest.raises(WasteError, match="choose 1 to 2"):
+        waste.load(path, dtype="float32", top_k=3)
+    with waste.load(path, dtype="float32", top_k=1) as eng:
+        assert eng.model.top_k == 1
+        q = compare(ref, eng, ids, prompts, n=16, ref_cache=cache)
+    assert 1e-3 < q.kl < 0.5 and q.top1 < 1.0      # a real, bounded cost (docs/LEARNED.md records it)
+
+
+def _compressed_release(hf, dst: Path, kind: str) -> dict:
+    """The fixture's release with its routed experts as compressed-tensors mxfp4 or int4 (group 32) would ship them;
+    returns name -> the float weights those packed values stand for."""
+    from safetensors.torch import load_file, save_file
+
+    from waste.quant.lowbit import mx_dequantize, mx_quantize
+
+    hf.save_pretrained(dst)
+    (dst / "config.json").write_text(json.dumps({**json.loads((dst / "config.json").read_text()),
+                                                 "quantization_config": {"quant_method": "compressed-tensors"}}))
+    f = next(dst.glob("*.safetensors"))
+    tensors, want = load_file(f), {}
+    for name in [n for n in tensors if ".experts." in n and n.endswith("_proj.weight")]:
+        w = tensors.pop(name).float()
+        base = name[:-len("weight")]
+        if kind == "mxfp4":
+            p = mx_quantize(w)
+            tensors[base + "weight_packed"], tensors[base + "weight_scale"] = p["blocks"], p["scales"]
+            want[name] = mx_dequantize(p["blocks"], p["scales"], *w.shape)
+        else:
+            N, K = w.shape
+            s = (w.view(N, K // 32, 32).abs().amax(-1) / 7).clamp_min(1e-8).bfloat16()
+            q = (w.view(N, K // 32, 32) / s.float()[..., None]).round().clamp(-8, 7).view(N, K)
+            u = (q + 8).to(torch.int64).view(N, K // 8, 8)
+            words = (u << torch.arange(0, 32, 4)).sum(-1)
+            tensors[base + "weight_packed"] = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+            tensors[base + "weight_scale"] = s
+            tensors[base + "weight_shape"] = torch.tensor([N, K], dtype=torch.int32)
+            want[name] = (q.view(N, K // 32, 32) * s.float()[..., None]).view(N, K)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    from waste.convert.synthetic import write_tokenizer
+
+    write_tokenizer(dst, "def f(x): return x", vocab_size=300)
+    return want
+
+
+@pytest.mark.parametrize("kind,stored", [("mxfp4", "mxfp4"), ("int4", "q4g32")])
+def test_quantized_release_is_kept_as_released(kind, stored, releases, tmp_path):
+    hf = releases["qwen3_moe"][0]
+    want = _compressed_release(hf, tmp_path / "rel", kind)
+    out = convert(tmp_path / "rel", tmp_path / "o.waste", trunk="bf16", progress=False)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["experts"]["format"] == stored and m["experts"]["kept_as_released"]
+    from waste.container import open_container
+    from waste.runtime.experts import parts_of
+
+    c = open_container(out)
+    try:
+        fmt, bank = get_format(stored), c.banks[1]
+        buf = torch.empty(bank.record_bytes, dtype=torch.uint8)
+        bank.read_into(5, buf)
+        views = bank.layout.views(buf)
+        w = fmt.unpack(parts_of(views, "gate"), tuple(want["model.layers.1.mlp.experts.5.gate_proj.weight"].shape),
+                       torch.float32)
+        assert torch.equal(w, want["model.layers.1.mlp.experts.5.gate_proj.weight"])
+    finally:
+        c.close()
+
+
+def test_unsupported_expert_shape_is_refused_before_writing(releases, tmp_path):
+    src = releases["kimi_linear"][1]        # moe_intermediate 16: mxfp4's groups of 32 do not fit its down_proj
+    with pytest.raises(WasteError, match="mxfp4"):
+        convert(src, tmp_path / "x.waste", experts="mxfp4", progress=False)
+    assert not (tmp_path / "x.waste").exists()
+
+
+def test_cli_convert_flags_and_info(releases, tmp_path):
+    from waste.cli import main
+
+    src = releases["qwen3_moe"][1]
+    assert main(["convert", str(src), str(tmp_path / "c.waste"), "--experts", "q4", "--trunk", "q8"]) == 0
+    m = json.loads((tmp_path / "c.waste" / "manifest.json").read_text())
+    assert (m["experts"]["format"], m["trunk"]["format"]) == ("q4", "q8")
+    assert main(["convert", str(src), str(tmp_path / "d.waste"), "--experts", "q5"]) == 1

@@ -1,0 +1,195 @@
+"""`waste chat [MODEL]`: an interactive terminal chat over Engine.chat (waste/chat.py).
+
+The conversation is kept and sent whole each turn. Replies stream as they are decided; reasoning is shown
+dimmed on a terminal (hidden with --hide-reasoning); one stats line follows each reply on stderr, as after
+`waste run`. Ctrl-C while a reply streams stops that reply and keeps the session: the partial reply stays in
+the conversation (one stopped before its first word is dropped together with its question). Ctrl-C at the
+prompt clears the line; /exit or Ctrl-D leaves.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+HELP = '''commands:
+  /system TEXT   set the system prompt (it survives /reset); /system alone removes it
+  /reset         start the conversation over
+  /exit, /quit   leave (Ctrl-D on an empty prompt too)
+  /help          this text
+input:
+  a line ending in \\ continues on the next line;
+  a line starting with """ opens a block that ends at the next line ending with """;
+  //text sends /text as a message.
+Ctrl-C stops the reply being written (the partial reply stays in the conversation).'''
+
+PROMPT, MORE = ">>> ", "... "
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+# model text is shown, never obeyed: C0/C1 controls (an escape sequence...) become visible symbols
+_VISIBLE = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"}
+_VISIBLE.update({0x7F: 0x2421, **{c: 0xFFFD for c in range(0x80, 0xA0)}})
+
+
+def visible(text: str) -> str:
+    return text.translate(_VISIBLE)
+
+
+class Session:
+    """One conversation: history, system prompt, and the terminal it talks to."""
+
+    def __init__(self, engine, args, out=None, err=None):
+        self.engine, self.args = engine, args
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.system: str | None = args.system
+        self.history: list[dict] = []
+        color = not os.environ.get("NO_COLOR")
+        self.dim_out = color and self.out.isatty()
+        self.dim_err = color and self.err.isatty()
+
+    # input ---------------------------------------------------------------------------------------
+    def read(self) -> str:
+        """One message: continued lines (trailing backslash) or a triple-quote block joined by newlines."""
+        line = input(PROMPT)
+        if line.lstrip().startswith('"""'):
+            rest = line.lstrip()[3:]
+            if rest.rstrip().endswith('"""'):
+                return rest.rstrip()[:-3]
+            lines = [rest] if rest else []
+            while True:
+                line = input(MORE)
+                if line.rstrip().endswith('"""'):
+                    last = line.rstrip()[:-3]
+                    return "\n".join(lines + ([last] if last else []))
+                lines.append(line)
+        lines = []
+        while line.endswith("\\"):
+            lines.append(line[:-1])
+            line = input(MORE)
+        return "\n".join(lines + [line])
+
+    # commands ------------------------------------------------------------------------------------
+    def command(self, text: str) -> bool:
+        """Run a /command; False means leave."""
+        name, _, arg = text.strip().partition(" ")
+        if name in ("/exit", "/quit", "/bye"):
+            return False
+        if name == "/reset":
+            self.history.clear()
+            self.note("conversation cleared" + (" (the system prompt stays)" if self.system else ""))
+        elif name == "/system":
+            self.system = arg.strip() or None
+            self.note(f"system prompt set ({len(self.system)} characters)" if self.system else "system prompt removed")
+        elif name in ("/help", "/?"):
+            self.note(HELP)
+        else:
+            self.note(f"unknown command {name} (/help lists them; //text sends /text)")
+        return True
+
+    def note(self, text: str) -> None:
+        self.err.write(self._dim(text, self.dim_err) + "\n")
+        self.err.flush()
+
+    def _dim(self, text: str, on: bool) -> str:
+        return f"{DIM}{text}{RESET}" if on and text else text
+
+    # one turn ------------------------------------------------------------------------------------
+    def turn(self, text: str) -> None:
+        from .chat import ChatRequestError
+
+        a = self.args
+        self.history.append({"role": "user", "content": text})
+        convo = ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+        completion, shown, interrupted = None, "", False
+        try:
+            try:
+                completion = self.engine.chat(
+                    convo, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                    stop=a.stop or None, stream=True, thinking=False if a.no_thinking else None,
+                    reasoning_effort=a.reasoning_effort)
+            except ChatRequestError as e:
+                self.history.pop()
+                self.note(f"refused: {e}" + (" (/reset starts over)" if e.param == "messages" else ""))
+                return
+            for event in completion:
+                shown = self.show(event, shown)
+        except KeyboardInterrupt:
+            interrupted = True
+            if completion is not None:
+                completion.close()
+        if shown == "reasoning" and self.dim_out:
+            self.out.write(RESET)
+        self.out.write("\n")
+        self.out.flush()
+        reply = completion.message() if completion is not None else {}
+        if interrupted:
+            self.note("[interrupted]")
+        if reply.get("content") or reply.get("reasoning_content") or reply.get("tool_calls"):
+            self.history.append(reply)
+        else:
+            self.history.pop()  # nothing came back: forget the question too
+        if completion is not None:
+            self.note(completion.stats.line())
+
+    def show(self, event, shown: str) -> str:
+        """Write one event; returns what kind of text the screen ends with."""
+        from .text.parsers import Content, Reasoning, ToolCall
+
+        out = self.out
+        if isinstance(event, Reasoning):
+            if self.args.hide_reasoning:
+                return shown
+            if shown != "reasoning" and self.dim_out:
+                out.write(DIM)
+            out.write(visible(event.text))
+            shown = "reasoning"
+        elif isinstance(event, (Content, ToolCall)):
+            if shown == "reasoning":
+                out.write((RESET if self.dim_out else "") + "\n\n")
+            if isinstance(event, Content):
+                out.write(visible(event.text))
+            else:
+                out.write(visible(f"[tool call {event.name}({event.arguments})]"))
+            shown = "content"
+        out.flush()
+        return shown
+
+    # the loop ------------------------------------------------------------------------------------
+    def loop(self) -> None:
+        while True:
+            try:
+                text = self.read()
+            except EOFError:
+                self.out.write("\n")
+                return
+            except KeyboardInterrupt:
+                self.out.write("\n")
+                continue
+            if not text.strip():
+                continue
+            if text.startswith("/") and not text.startswith("//") and "\n" not in text:
+                if not self.command(text):
+                    return
+                continue
+            self.turn(text[1:] if text.startswith("//") else text)
+
+
+def cmd_chat(a, load) -> None:
+    """The `waste chat` verb; `load(args, model)` opens the engine as `waste run` does."""
+    from .chat import chat_format
+
+    eng = load(a, a.model)
+    try:
+        fmt = chat_format(eng)  # refuses here, with the reasons, before the first prompt
+        if eng.plan is not None and eng.plan.warning:
+            print(f"waste: warning: {eng.plan.warning}", file=sys.stderr)
+        if sys.stdin.isatty():
+            try:
+                import readline  # noqa: F401  (line editing and history for input())
+            except ImportError:
+                pass
+        note = eng.container.manifest["text"].get("chat_note")
+        session = Session(eng, a)
+        session.note(f"waste chat: {eng.container.root.name} ({fmt.description}{'; ' + note if note else ''}). "
+                     "/help for commands, /exit or Ctrl-D to leave.")
+        session.loop()
+    finally:
+        eng.close()

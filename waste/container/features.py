@@ -1,0 +1,42 @@
+"""The architecture features a container's config switches on, in words (`waste info`): each is behind a config
+key that containers without the feature lack, so a person can see which code paths a model reaches."""
+from __future__ import annotations
+
+
+def features(manifest: dict) -> list[str]:
+    cfg = manifest["config"]
+    out = []
+    kinds = [l["attn"] for l in cfg["layers"]]
+    h = cfg.get("mhc")
+    if h:
+        out.append(f"mHC: {h['hc_mult']} residual streams, Sinkhorn-projected mixing ({h['sinkhorn_iters']} "
+                   f"iterations, eps {h['eps']:g}), mean collapse at the end")
+    d = cfg.get("dsa")
+    if d:
+        shared = sum(1 for t in d.get("indexer_types") or [] if t == "shared")
+        out.append(f"DSA on {kinds.count('mla')} MLA layers: index_topk {d['index_topk']} = "
+                   f"{d['index_topk'] // d['index_kpool']} pools of {d['index_kpool']} tokens (index_kpool), "
+                   f"{d['index_n_heads']} index heads x {d['index_head_dim']}, incomplete tail always attended, "
+                   f"dense below index_topk" + (f", {shared} layer(s) sharing a selection" if shared else ""))
+    if cfg.get("swiglu_limit") is not None:
+        out.append(f"clamped SwiGLU: silu(min(gate, {cfg['swiglu_limit']:g})) * clamp(up, +-{cfg['swiglu_limit']:g})")
+    k = cfg.get("kda") or {}
+    if "kda" in kinds and k.get("gate_lower_bound") is not None:
+        out.append(f"KDA decay gate with lower bound {k['gate_lower_bound']:g}")
+    rope = (cfg.get("mla") or {}).get("rope") if "mla" in kinds else None
+    if rope:
+        r = f"MLA rotary: {rope['type']}, theta {rope['theta']:g}{', interleaved' if rope.get('interleave') else ''}"
+        if rope["type"] == "yarn":
+            r += f", factor {rope['factor']:g} over {rope['original_max_position_embeddings']} positions"
+        out.append(r)
+    elif "mla" in kinds:
+        out.append("MLA without rotary")
+    moe = cfg.get("moe") or {}
+    if (moe.get("n_group") or 1) > 1:
+        out.append(f"grouped routing: top-{moe['topk_group']} of {moe['n_group']} expert groups")
+    v = manifest.get("vision")
+    if v:
+        out.append(f"vision tower: {v['tensors']} tensors, {v['params']:,} parameters in {v['file']} "
+                   "(not loaded for text)")
+    out += manifest.get("notes") or []
+    return out

@@ -1,0 +1,185 @@
+"""GLM-5.3-Flash (`glm5_next`): KDA with a lower-bound gate, DSA over k-pools on the MLA layers, mHC residual
+streams, clamped SwiGLU, a vision tower stored apart (architectures.md §4.4, §5).
+
+Releases come flat (the text config at the top level) or nested (`text_config` + `vision_config`; read_config
+flattens it). The text model nests the other way round from Kimi K3: `model.language_model.layers.N` with
+`lm_head` outside the wrapper (K3: `language_model.model.layers.N`, `language_model.lm_head`). Every spelling is
+canonicalised to the flat one (`model.layers.N`, `lm_head.weight`), so trunk names read like a flat release's.
+"""
+from __future__ import annotations
+
+import re
+
+from ..errors import WasteError
+from .adapters import EXPERT_MATRICES, Adapter, _first
+
+_KDA = ("q_proj", "k_proj", "v_proj", "o_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
+        "b_proj", "g_a_proj", "g_b_proj", "o_norm")
+_MLA = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+_INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
+            "index_kpool_compress_ape", "index_kpool_compress_gate")
+
+# (pattern, replacement) applied in order: wrapper prefixes, then transformers' in-memory spellings
+_ALIASES = [
+    (re.compile(r"^model\.language_model\."), "model."),
+    (re.compile(r"^language_model\.model\."), "model."),
+    (re.compile(r"^language_model\.lm_head\."), "lm_head."),
+    (re.compile(r"\.(attn|ffn)_hc\.(fn|base|scale)$"), r".hc_\1_\2"),
+    (re.compile(r"\.self_attn\.forget_gate\."), ".self_attn."),
+]
+_VISION = re.compile(r"^(?:model\.)?(?:visual|vision_tower|vision_model)\.")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _layer_kinds(hf: dict) -> list[str]:
+    """The engine's 0-based attention kinds, from `layer_types` (transformers' default pattern when absent:
+    every 4th layer, idx % 4 == 3, is DSA). A `linear_attn_config.kda_layers` list, when present, must agree
+    0-based: GLM writes it 0-based where Kimi writes it 1-based, and copying one into the other loads fine and
+    answers noise (seed 0.7.0)."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
+    if len(types) != n:
+        raise WasteError(f"glm5_next layer_types has {len(types)} entries for {n} layers")
+    kinds = []
+    for t in types:
+        if t == "linear_attention":
+            kinds.append("kda")
+        elif t in ("indexed_attention", "full_attention"):
+            kinds.append("mla")
+        else:
+            raise WasteError(f"glm5_next layer type {t!r} is not supported (linear_attention, indexed_attention)")
+    kda = (hf.get("linear_attn_config") or {}).get("kda_layers")
+    if kda is not None:
+        ours = [i for i, k in enumerate(kinds) if k == "kda"]
+        if sorted(kda) != ours:
+            raise WasteError(f"glm5_next linear_attn_config.kda_layers {sorted(kda)} disagrees with layer_types "
+                             f"(KDA on 0-based layers {ours}); GLM's list is 0-based: fix config.json")
+    return kinds
+
+
+def _indexer_types(hf: dict, n: int) -> list[str]:
+    """Per layer "full" (own indexer) or "shared" (reuses the previous full layer's selection), as transformers."""
+    if hf.get("indexer_types"):
+        return list(hf["indexer_types"])
+    pattern = hf.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq = max(hf.get("index_topk_freq", 1) or 1, 1)
+    offset = hf.get("index_skip_topk_offset", 2)
+    return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n)]
+
+
+class Glm5NextAdapter(Adapter):
+    family = "glm5_next"
+    expert_re = re.compile(r"model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<name>gate_proj|up_proj|down_proj)\.weight")
+    expert_fmt = "model.layers.{layer}.mlp.experts.{expert}.{name}.weight"
+    expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    # mHC is computed in float32 (its 1-D base/scale are f32 anyway); transformers keeps the conv and gates f32 too
+    keep_f32 = ("mlp.gate.weight", "A_log", "dt_bias", "e_score_correction_bias", "hc_attn_fn", "hc_ffn_fn",
+                "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale", "conv1d.weight")
+
+    def canonical(self, name):
+        for pat, rep in _ALIASES:
+            name = pat.sub(rep, name)
+        return name
+
+    def classify_expert(self, name):
+        return None if self.dropped(name) else super().classify_expert(self.canonical(name))
+
+    def dropped(self, name):
+        """The multi-token-prediction layer stored after the last decoder layer (transformers ignores it too)."""
+        c = self.canonical(name)
+        m = _LAYER.match(c)
+        if (m and int(m[1]) >= self.config["num_layers"]) or ".shared_head." in c:
+            return f"multi-token-prediction layer {m[1] if m else ''} (not used for generation)".replace("  ", " ")
+        return None
+
+    def vision_target(self, name):
+        c = self.canonical(name)
+        return c.removeprefix("model.") if _VISION.match(c) else None
+
+    def normalise(self, hf):
+        n = hf["num_hidden_layers"]
+        kinds = _layer_kinds(hf)
+        mlps = hf.get("mlp_layer_types") or ["dense"] * min(3, n) + ["sparse"] * (n - 3)
+        if len(mlps) != n or set(mlps) - {"dense", "sparse"}:
+            raise WasteError(f"glm5_next mlp_layer_types must list dense/sparse for each of the {n} layers")
+        cfg = self._base(hf, [{"attn": a, "mlp": "moe" if m == "sparse" else "dense"} for a, m in zip(kinds, mlps)])
+        cfg["rms_norm_eps"] = hf.get("rms_norm_eps", 1e-5)
+        heads = hf.get("num_attention_heads", 64)
+        if hf.get("num_key_value_heads", heads) != heads:
+            raise WasteError("glm5_next needs num_key_value_heads == num_attention_heads (MLA)")
+        if hf.get("attention_bias"):
+            raise WasteError("glm5_next with attention_bias=true is not supported")
+        if not hf.get("q_lora_rank"):
+            raise WasteError("glm5_next DSA layers need q_lora_rank (the indexer reads the q latent)")
+        if hf.get("qk_rope_head_dim", 0):
+            raise WasteError(f"glm5_next DSA layers are NoPE; qk_rope_head_dim={hf['qk_rope_head_dim']} is not supported")
+        # transformers builds q_a_layernorm / kv_a_layernorm with rms_norm_eps here (DeepSeek-V3: RMSNorm's 1e-6)
+        cfg["mla"] = {"num_heads": heads, "q_lora_rank": hf["q_lora_rank"], "kv_lora_rank": hf["kv_lora_rank"],
+                      "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": 0,
+                      "v_head_dim": hf["v_head_dim"], "rope": None, "norm_eps": cfg["rms_norm_eps"]}
+        lac = hf.get("linear_attn_config") or {}
+        lower = hf.get("linear_lower_bound", -5.0)
+        if lac:
+            lower = lac.get("gate_lower_bound", lower)
+            if lac.get("safe_gate", True) and lower is None:
+                lower = -5.0
+        cfg["kda"] = {"num_heads": _first(lac, "num_heads", default=hf.get("linear_num_heads", 64)),
+                      "head_dim": _first(lac, "head_dim", default=hf.get("linear_head_dim", 128)),
+                      "conv_kernel": _first(lac, "short_conv_kernel_size", default=hf.get("linear_conv_kernel_dim", 4)),
+                      "gate_lower_bound": None if lower is None else float(lower)}
+        topk, kpool = hf.get("index_topk", 2048), hf.get("index_kpool", 16)
+        if kpool < 1 or topk % kpool:
+            raise WasteError(f"glm5_next index_topk ({topk}) must be a multiple of index_kpool ({kpool})")
+        if not hf.get("index_kpool_always_select_tail", True):
+            raise WasteError("glm5_next with index_kpool_always_select_tail=false is not supported")
+        itypes = _indexer_types(hf, n)
+        seen_full = False
+        for i, k in enumerate(kinds):
+            if k == "mla":
+                if itypes[i] == "shared" and not seen_full:
+                    raise WasteError(f"glm5_next layer {i} shares the DSA selection of an earlier indexer layer, "
+                                     "and there is none")
+                seen_full |= itypes[i] != "shared"
+        cfg["dsa"] = {"index_topk": topk, "index_kpool": kpool, "index_n_heads": hf.get("index_n_heads", 32),
+                      "index_head_dim": hf.get("index_head_dim", 128), "always_select_tail": True,
+                      "indexer_types": ["shared" if k == "mla" and t == "shared" else "full" if k == "mla" else None
+                                        for k, t in zip(kinds, itypes)]}
+        cfg["mhc"] = {"hc_mult": hf.get("hc_mult", 4), "sinkhorn_iters": hf.get("hc_sinkhorn_iters", 20),
+                      "eps": hf.get("hc_eps", 1e-6)}
+        limit = hf.get("swiglu_limit", 10.0)
+        cfg["swiglu_limit"] = None if limit is None else float(limit)
+        n_exp = _first(hf, "n_routed_experts", "num_local_experts", default=288)
+        n_shared = hf.get("n_shared_experts", 1) or 0
+        moe_inter = hf.get("moe_intermediate_size", 2048)
+        cfg["moe"] = {"num_experts": n_exp, "top_k": hf.get("num_experts_per_tok", 8),
+                      "intermediate_size": moe_inter, "scoring": "sigmoid",
+                      "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+                      "routed_scaling_factor": float(hf.get("routed_scaling_factor", 2.5)),
+                      "num_shared_experts": n_shared, "shared_intermediate_size": moe_inter * n_shared,
+                      "n_group": hf.get("n_group", 1) or 1, "topk_group": hf.get("topk_group", 1) or 1,
+                      "correction_bias": True}
+        return cfg
+
+    def trunk_names(self):
+        names = self._edges()
+        c = self.config
+        for i, l in enumerate(c["layers"]):
+            p = f"model.layers.{i}"
+            a = f"{p}.self_attn"
+            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+            names += [f"{p}.hc_{s}_{x}" for s in ("attn", "ffn") for x in ("fn", "base", "scale")]
+            if l["attn"] == "kda":
+                names += [f"{a}.{x}.weight" for x in _KDA] + [f"{a}.A_log", f"{a}.dt_bias"]
+            else:
+                names += [f"{a}.{x}.weight" for x in _MLA]
+                if c["dsa"]["indexer_types"][i] == "full":
+                    names += [f"{a}.indexer.{x}" for x in _INDEXER]
+            if l["mlp"] == "moe":
+                names += [f"{p}.mlp.gate.weight", f"{p}.mlp.gate.e_score_correction_bias"]
+                if c["moe"]["num_shared_experts"]:
+                    names += [f"{p}.mlp.shared_experts.{x}_proj.weight" for x in EXPERT_MATRICES]
+            else:
+                names += self._dense_mlp(p)
+        return names

@@ -1,0 +1,56 @@
+"""What the converter sets aside from the trunk: a vision tower (written to its own file, loaded only by a request
+with an image) and tensors an adapter deliberately drops (DeepSeek's MTP layers), recorded as notes."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from ..container.trunk import TrunkWriter
+
+VISION_FILE = "vision.safetensors"
+
+
+class VisionWriter:
+    """Writes the tower's tensors under the adapter's vision names, 1-D ones in float32, the rest in `fmt`."""
+
+    def __init__(self, ckpt, adapter, fmt, root: Path, metadata: dict):
+        self.src = {}
+        for n in ckpt.weight_names():
+            v = adapter.vision_target(n)
+            if v is not None:
+                self.src[n] = v
+        self.fmt = fmt
+        self.vision_config = ckpt.config.get("vision_config")
+        self.writer = None
+        if self.src:
+            specs = {}
+            for n, v in self.src.items():
+                shape = ckpt.shape(n)
+                specs[v] = (torch.float32 if len(shape) <= 1 else fmt.dtype, shape)
+            self.specs = specs
+            self.writer = TrunkWriter(str(root / VISION_FILE), specs, metadata)
+
+    def take(self, name: str, get) -> bool:
+        """Write `name` if it is the tower's (get() reads it); False if it is not."""
+        v = self.src.get(name)
+        if v is None:
+            return False
+        self.writer.write(v, get())
+        return True
+
+    def close(self) -> dict | None:
+        """The manifest's `vision` entry, or None without a tower."""
+        if self.writer is None:
+            return None
+        self.writer.close()
+        return {"file": VISION_FILE, "format": self.fmt.name, "bytes": self.writer.bytes, "crc32": self.writer.crc32,
+                "tensors": len(self.specs), "params": sum(torch.Size(s).numel() for _, s in self.specs.values()),
+                "config": self.vision_config}
+
+
+def drop_notes(names, adapter) -> list[str]:
+    """One note per reason an adapter gave for leaving tensors out."""
+    why = Counter(r for r in (adapter.dropped(n) for n in names) if r)
+    return [f"left out {k} tensor{'s' if k > 1 else ''}: {r}" for r, k in sorted(why.items())]

@@ -1,0 +1,96 @@
+"""The stored 4-bit nibble layout and torch's packed int4 matmul on CPU.
+
+The layout (docs/FORMAT.md, "q4"): rows are taken in blocks of 64. A full block is K x 32 bytes, byte j of
+column k holding row j in its low nibble and row j + 32 in its high nibble. The last block, when N is not a
+multiple of 64, has nb rows (nb even) and is K x nb/2 bytes, byte j of column k holding rows 2j (low) and
+2j + 1 (high). Blocks follow each other; the whole is N x K / 2 bytes, read as a uint8 [N, K/2] tensor.
+
+This is exactly the operand of torch's `_weight_int4pack_mm_for_cpu` on an AVX-512 build (the one this
+project runs on), so a record is multiplied straight from its cache slot with no repacking. On any other
+build (AVX2, ARM, a future torch) `native()` says so, and `to_native` repacks once: the trunk at load, an
+expert record each time it fills a cache slot (experts' `prepare` hook) — a pure function of the stored
+bytes, so outputs stay the same whatever the cache does.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 64
+KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] with values 0..15 (N even) -> uint8 [N, K/2] in the stored layout."""
+    N, K = q.shape
+    if N % 2:
+        raise ValueError(f"4-bit packing needs an even number of rows, got {N}")
+    q = q.to(torch.uint8)
+    nb_full = N // BLOCK
+    out = []
+    if nb_full:
+        b = q[:nb_full * BLOCK].view(nb_full, 2, 32, K)
+        out.append((b[:, 0] | (b[:, 1] << 4)).transpose(1, 2).reshape(-1))      # [nb, K, 32]
+    tail = N - nb_full * BLOCK
+    if tail:
+        t = q[nb_full * BLOCK:].view(tail // 2, 2, K)
+        out.append((t[:, 0] | (t[:, 1] << 4)).t().reshape(-1))                   # [K, tail/2]
+    return torch.cat(out).view(N, K // 2) if K % 2 == 0 else torch.cat(out).view(N * K // 2)
+
+
+def unpack_nibbles(p: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The inverse of pack_nibbles: uint8 [N, K] values 0..15."""
+    flat = p.reshape(-1)
+    q = torch.empty(N, K, dtype=torch.uint8)
+    nb_full = N // BLOCK
+    n0 = nb_full * BLOCK * K // 2
+    if nb_full:
+        b = flat[:n0].view(nb_full, K, 32).transpose(1, 2)                           # [nb, 32, K]
+        qv = q[:nb_full * BLOCK].view(nb_full, 2, 32, K)
+        qv[:, 0] = b & 15
+        qv[:, 1] = b >> 4
+    tail = N - nb_full * BLOCK
+    if tail:
+        t = flat[n0:].view(K, tail // 2).t()                                          # [tail/2, K]
+        qv = q[nb_full * BLOCK:].view(tail // 2, 2, K)
+        qv[:, 0] = t & 15
+        qv[:, 1] = t >> 4
+    return q
+
+
+def kernel_ok(N: int, K: int, group: int) -> bool:
+    """Shapes torch's CPU int4 kernel takes: N a multiple of 16, K of a group size in 32..256."""
+    return N % 16 == 0 and group in KERNEL_GROUPS and K % group == 0 and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+
+
+@functools.lru_cache(maxsize=1)
+def native() -> bool:
+    """Does this torch build's own int4 packer produce the stored layout? (AVX-512 builds: yes.)"""
+    if not hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
+        return False
+    g = torch.Generator().manual_seed(0)
+    for n in (64, 80, 128 + 48):
+        w = torch.randint(0, 16, (n, 64), generator=g, dtype=torch.int32)
+        try:
+            theirs = torch._convert_weight_to_int4pack_for_cpu(w, 2)
+        except RuntimeError:
+            return False
+        if not torch.equal(theirs.reshape(-1), pack_nibbles(w.to(torch.uint8)).reshape(-1)):
+            return False
+    return True
+
+
+def to_native(p: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The kernel's operand for stored nibbles p (a copy through torch's own packer when the layouts differ)."""
+    if native():
+        return p
+    return torch._convert_weight_to_int4pack_for_cpu(unpack_nibbles(p, N, K).to(torch.int32).contiguous(), 2)
+
+
+def int4_mm(x: torch.Tensor, p: torch.Tensor, group: int, scale_zero: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ W.T where W[n, k] = (q[n, k] - 8) * s[k // group, n] + z[k // group, n]; result in x's dtype.
+
+    x may be float32, bfloat16 or float16; the kernel accumulates in float32 and wants the scales in x's dtype."""
+    sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
+    return torch._weight_int4pack_mm_for_cpu(x.contiguous(), p, group, sz)

@@ -1,0 +1,146 @@
+"""Integer formats with torch's packed CPU matmuls: q8 (int8, one scale per row) and q4 (4-bit groups).
+
+q8:  parts `q` int8 [N, K], `scale` float32 [N];  W[n, k] = q[n, k] * scale[n].
+     Matmul: torch._weight_int8pack_mm (x in float32, bfloat16 or float16).
+q4:  parts `q` uint8 [N, K/2] (nibbles in int4pack.py's layout), `sz` bfloat16 [K/g, N, 2] (scale, zero);
+     W[n, k] = (q[n, k] - 8) * sz[k // g, n, 0] + sz[k // g, n, 1]. The group g is the part shapes' K / (K/g),
+     so one reader serves every group size. Matmul: torch._weight_int4pack_mm_for_cpu when the shape suits
+     it (N % 16 == 0, g in 32..256), else unpack and F.linear (tiny test shapes only).
+Both quantizers choose, per row (q8) or per group (q4), the clipping range with the least squared error
+among a few shrink factors of the min/max range, rounding against the stored (bf16) scale and zero.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import int4pack
+from .formats import Format
+
+Q4_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+Q8_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)
+Q4_REFITS = 3
+
+
+class Q8(Format):
+    name, bits = "q8", 8.0
+
+    def supports(self, shape) -> bool:
+        return len(shape) == 2
+
+    def part_specs(self, shape):
+        return {"q": (torch.int8, tuple(shape)), "scale": (torch.float32, (shape[0],))}
+
+    def pack(self, w):
+        w = w.float()
+        amax = w.abs().amax(1).clamp_min(1e-30)
+        best_q, best_s, best_e = None, None, None
+        for shrink in Q8_SHRINK:
+            s = amax * shrink / 127.0
+            q = (w / s[:, None]).round().clamp(-127, 127)
+            e = ((q * s[:, None] - w) ** 2).sum(1)
+            if best_q is None:
+                best_q, best_s, best_e = q, s, e
+            else:
+                better = e < best_e
+                best_q = torch.where(better[:, None], q, best_q)
+                best_s, best_e = torch.where(better, s, best_s), torch.minimum(e, best_e)
+        return {"q": best_q.to(torch.int8).contiguous(), "scale": best_s.float().contiguous()}
+
+    def unpack(self, parts, shape, dtype):
+        return (parts["q"].view(shape).float() * parts["scale"].float()[:, None]).to(dtype)
+
+    def linear(self, x, parts, shape):
+        s = parts["scale"]
+        return torch._weight_int8pack_mm(x.contiguous(), parts["q"].view(shape), s if s.dtype == x.dtype else s.to(x.dtype))
+
+
+def group_for(K: int, group: int) -> int:
+    """The group size a matrix with K columns gets: `group` when it divides K, else the largest power of two
+    below it that does (tiny test shapes)."""
+    g = group
+    while g > 1 and K % g:
+        g //= 2
+    return g
+
+
+class Q4(Format):
+    bits = 4.0
+    # above this many rows of x, unpacking once and multiplying in float beats the int4 kernel (docs/LEARNED.md)
+    dequant_rows = 1 << 30
+
+    def __init__(self, name: str, group: int):
+        self.name, self.group = name, group
+        self.bits = 4.0 + 32.0 / group
+
+    def supports(self, shape) -> bool:
+        return len(shape) == 2 and shape[0] % 2 == 0 and shape[1] % 2 == 0
+
+    def part_specs(self, shape):
+        N, K = shape
+        return {"q": (torch.uint8, (N, K // 2)), "sz": (torch.bfloat16, (K // group_for(K, self.group), N, 2))}
+
+    def pack(self, w):
+        N, K = w.shape
+        if N % 2 or K % 2:
+            raise ValueError(f"q4 needs an even number of rows and columns, got {N} x {K}")
+        g = group_for(K, self.group)
+        x = w.float().view(N, K // g, g)
+        mx, mn = x.amax(-1), x.amin(-1)
+        c, h = (mx + mn) / 2, (mx - mn) / 2
+        best = None
+        for shrink in Q4_SHRINK:
+            lo = c - h * shrink
+            s = (2 * h * shrink / 15).clamp_min(1e-30).to(torch.bfloat16).float()
+            z = (lo + 8 * s).to(torch.bfloat16).float()
+            q = ((x - z[..., None]) / s[..., None] + 8).round().clamp(0, 15)
+            e = (((q - 8) * s[..., None] + z[..., None] - x) ** 2).sum(-1)
+            if best is None:
+                best = [q, s, z, e]
+            else:
+                better = e < best[3]
+                best[0] = torch.where(better[..., None], q, best[0])
+                best[1], best[2] = torch.where(better, s, best[1]), torch.where(better, z, best[2])
+                best[3] = torch.minimum(e, best[3])
+        q, s, z, e = best
+        for _ in range(Q4_REFITS):      # least-squares scale and zero for these codes, then round again
+            c = q - 8
+            cm, xm = c.mean(-1, keepdim=True), x.mean(-1, keepdim=True)
+            var = ((c - cm) ** 2).sum(-1)
+            s2 = torch.where(var > 0, ((c - cm) * (x - xm)).sum(-1) / var.clamp_min(1e-30), s).clamp_min(1e-30)
+            s2 = s2.to(torch.bfloat16).float()
+            z2 = (xm[..., 0] - s2 * cm[..., 0]).to(torch.bfloat16).float()
+            q2 = ((x - z2[..., None]) / s2[..., None] + 8).round().clamp(0, 15)
+            e2 = (((q2 - 8) * s2[..., None] + z2[..., None] - x) ** 2).sum(-1)
+            better = e2 < e
+            q = torch.where(better[..., None], q2, q)
+            s, z, e = torch.where(better, s2, s), torch.where(better, z2, z), torch.minimum(e, e2)
+        sz = torch.stack([s, z], -1).transpose(0, 1).to(torch.bfloat16).contiguous()      # [K/g, N, 2]
+        return {"q": int4pack.pack_nibbles(q.view(N, K).to(torch.uint8)), "sz": sz}
+
+    @staticmethod
+    def _group(parts, shape) -> int:
+        return shape[1] // parts["sz"].shape[0]
+
+    def unpack(self, parts, shape, dtype):
+        N, K = shape
+        g = self._group(parts, shape)
+        q = int4pack.unpack_nibbles(parts["q"], N, K).float().view(N, K // g, g)
+        sz = parts["sz"].float().transpose(0, 1)                                            # [N, K/g, 2]
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(N, K).to(dtype)
+
+    def prepare(self, parts, shape):
+        """Parts in the form linear() multiplies: the nibbles in this torch build's own layout."""
+        N, K = shape
+        if int4pack.native() or not int4pack.kernel_ok(N, K, self._group(parts, shape)):
+            return parts
+        return {**parts, "q": int4pack.to_native(parts["q"], N, K)}
+
+    def linear(self, x, parts, shape):
+        N, K = shape
+        g = self._group(parts, shape)
+        if not int4pack.kernel_ok(N, K, g) or x.shape[0] > self.dequant_rows:
+            return F.linear(x, self.unpack(parts, shape, x.dtype))
+        if not int4pack.native():
+            parts = self.prepare(parts, shape)
+        return int4pack.int4_mm(x, parts["q"].view(N, K // 2), g, parts["sz"])

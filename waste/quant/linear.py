@@ -1,0 +1,82 @@
+"""One matmul for the trunk: `linear(x, w)` takes a float tensor or a quantized matrix (QuantWeight).
+
+The layers call `linear` wherever they multiply by a trunk weight. A quantized trunk (waste convert --trunk q8)
+stores each quantizable matrix as parts named `<tensor>.<part>` in trunk.safetensors and lists it in the
+manifest's `trunk.quantized`; `assemble_trunk` turns those parts back into one QuantWeight per matrix.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .formats import get_format
+
+
+class QuantWeight:
+    """A matrix kept in its stored format; multiplied through the format's own kernel."""
+
+    __slots__ = ("fmt", "parts", "shape")
+
+    def __init__(self, fmt, parts: dict[str, torch.Tensor], shape):
+        self.fmt, self.shape = fmt, tuple(shape)
+        self.parts = fmt.prepare(parts, self.shape)
+
+    dtype = None      # never equal to a compute dtype, so callers that cast on mismatch call .to(), a no-op
+
+    def to(self, *args, **kwargs) -> "QuantWeight":
+        """Casting to the compute dtype keeps the stored format: the kernel returns x's dtype."""
+        return self
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return self.fmt.unpack(self.parts, self.shape, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts.values())
+
+    def __repr__(self) -> str:
+        return f"QuantWeight({self.fmt.name}, {list(self.shape)})"
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ w.T (+ bias), in x's dtype, for a float tensor or a QuantWeight."""
+    if isinstance(w, QuantWeight):
+        lead = x.shape[:-1]
+        y = w.fmt.linear(x.reshape(-1, x.shape[-1]), w.parts, w.shape).view(*lead, w.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return F.linear(x, w, bias)
+
+
+# trunk matrices that stay in float whatever --trunk says: looked up (embeddings) or used as a raw tensor
+# (MLA's kv_b_proj is split per head in the absorbed decode path)
+KEEP_FLOAT_SUFFIXES = ("embed_tokens.weight", "kv_b_proj.weight")
+
+
+def quantizable(name: str, shape, fmt) -> bool:
+    """Does the trunk store this (non-float32) tensor in the quantized format `fmt`? The projections every
+    family multiplies through `linear` (`*_proj.weight`, `*_proj_with_mqa.weight`, `lm_head.weight`)."""
+    module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    return (len(shape) == 2 and min(shape) >= 16 and name.endswith(".weight") and not name.endswith(KEEP_FLOAT_SUFFIXES)
+            and (module.endswith(("proj", "proj_with_mqa")) or name == "lm_head.weight") and fmt.supports(tuple(shape)))
+
+
+def part_name(name: str, suffix: str) -> str:
+    return f"{name}.{suffix}" if suffix else name
+
+
+def assemble_trunk(tensors: dict[str, torch.Tensor], trunk_manifest: dict) -> dict:
+    """Replace the parts of each quantized matrix by one QuantWeight under the matrix's own name."""
+    quantized = trunk_manifest.get("quantized") or {}
+    if not quantized:
+        return tensors
+    fmt = get_format(trunk_manifest["format"])
+    out = dict(tensors)
+    for name, shape in quantized.items():
+        prefix = name + "."
+        parts = {k[len(prefix):]: out.pop(k) for k in [k for k in out if k.startswith(prefix)]}
+        out[name] = QuantWeight(fmt, parts, shape)
+    return out
