@@ -71,7 +71,7 @@ def main():
     rows = []
     print(f"{info['tokens']} tokens, {L} MoE layers, top-{k} of {E}; working set = {ws} records, bank = {E * L}")
     print("budget (working sets) | LRU | " + " | ".join(f"LFRU h={h}" for h in (2, 8, 32, 1e9)))
-    for mult in (1, 1.5, 2, 3, 4, E / k / 2):
+    for mult in sorted({1, 1.5, 2, 3, 4, E / k / 2}):
         n = int(mult * ws)
         if n >= E * L:
             continue

@@ -179,10 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         "waste run [MODEL] PROMPT: with one argument it is the prompt and the default model is used."))
     r.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
     r.add_argument("-n", type=int, default=128, help="tokens to generate (default 128)")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--min-p", type=float, default=0.0)
-    r.add_argument("--seed", type=int, default=None)
+    # Sampling by default, with a fixed seed: small models loop under greedy decoding, and a fixed seed keeps
+    # the same command printing the same text (docs/LEARNED.md §4). --temperature 0 is greedy.
+    r.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
+    r.add_argument("--top-p", type=float, default=0.9, help="default 0.9")
+    r.add_argument("--min-p", type=float, default=0.05, help="default 0.05")
+    r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: the same text every run)")
     r.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _engine_args(r)
     r.set_defaults(fn=cmd_run)

@@ -24,12 +24,13 @@ from ..errors import WasteError
 from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
 from .experts import ExpertStats, expert_swiglu
-from .policy import LFRU
+from .policy import LFRU, LFRU_HALF_LIFE
 
 
 class ExpertCache:
     def __init__(self, container: Container, budget_bytes: int | None, dtype: torch.dtype, threads: int = 4,
-                 preload: bool | None = None, verify: bool = True, direct: bool = True, half_life: float = 8.0):
+                 preload: bool | None = None, verify: bool = True, direct: bool = True,
+                 half_life: float | None = None):
         ex, cfg = container.manifest["experts"], container.config
         self.banks = container.banks
         self.record_bytes = ex["record_bytes"]
@@ -51,6 +52,10 @@ class ExpertCache:
         self.slot_of: dict[tuple[int, int], int] = {}
         self.key_of: list[tuple[int, int] | None] = [None] * self.n_slots
         self.free = list(range(self.n_slots - 1, -1, -1))
+        if half_life is None:   # measured (docs/LEARNED.md §3): LFRU wins from 1.5 working sets up, LRU below
+            ws_records = ((cfg.get("moe") or {}).get("top_k") or 1) * max(len(self.banks), 1)
+            half_life = LFRU_HALF_LIFE if self.n_slots >= 1.5 * ws_records else 0.0
+        self.half_life = half_life
         self.policy = LFRU(self.n_slots, half_life)
         self.step = 1.0 / max(len(self.banks), 1)     # one token = one call per MoE layer
         self.layout = next(iter(self.banks.values())).layout if self.banks else None

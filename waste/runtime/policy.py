@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
+LFRU_HALF_LIFE = 8.0   # tokens; the measured best of 2, 8, 32 and infinity (docs/LEARNED.md §3)
+
 
 class LFRU:
-    def __init__(self, n_slots: int, half_life: float = 8.0):
+    def __init__(self, n_slots: int, half_life: float = LFRU_HALF_LIFE):
         self.freq = np.zeros(n_slots)
         self.last = np.zeros(n_slots)
         self.decay = 0.5 ** (1.0 / half_life) if half_life > 0 else 0.0
