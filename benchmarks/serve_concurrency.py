@@ -2,9 +2,11 @@
 token, expert bytes read, the batch the scheduler formed. Not a test.
 
 Each round runs every concurrency level once (levels interleaved, so the machine's drift falls on all of them);
-figures are medians over rounds with the range. Every client streams `--requests` completions one after another
-(its own prompt and seed, temperature 0.8); per-request tok/s is (completion tokens - 1) / (last token time -
-first token time), aggregate is all completion tokens / the level's wall time.
+figures are medians over rounds with the range. Every client streams `--requests` completions one after another,
+each from a prompt of `--prompt-len` token ids of its own (the same length for all, so every level does the same
+work per request) with its own seed at temperature 0.8. Per-request tok/s is decode speed, (completion tokens - 1)
+/ (last token time - first token time); aggregate is all completion tokens / the level's wall time (prefill
+included); TTFT is the median time to the first token.
 
     python benchmarks/serve_concurrency.py run                                   # the default model
     python benchmarks/serve_concurrency.py build --dir /tmp/serve-stream         # a streaming-sized model
@@ -30,9 +32,6 @@ from pathlib import Path
 import httpx
 
 BANNER = re.compile(r"waste: serving .* at (http://127\.0\.0\.1:\d+)/v1")
-PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef main():", "class Stack:\n    def __init__(self):",
-           "# parse the command line\nimport argparse", "def read_config(path):", "for i in range(10):",
-           "with open(path) as f:", "def merge_sort(items):"]
 
 
 def build(d: Path, layers: int) -> Path:
@@ -64,10 +63,14 @@ def metrics(url: str) -> dict:
     return out
 
 
-def client(url: str, cid: int, requests: int, tokens: int, results: list) -> None:
+def prompt_ids(cid: int, r: int, n: int) -> list[int]:
+    return [32 + (cid * 37 + r * 11 + 5 * k) % 200 for k in range(n)]
+
+
+def client(url: str, cid: int, requests: int, tokens: int, results: list, plen: int) -> None:
     with httpx.Client(base_url=url, timeout=600) as h:
         for r in range(requests):
-            body = {"prompt": PROMPTS[(cid + r) % len(PROMPTS)], "max_tokens": tokens, "temperature": 0.8,
+            body = {"prompt": prompt_ids(cid, r, plen), "max_tokens": tokens, "temperature": 0.8,
                     "seed": 1000 * cid + r, "stream": True, "stream_options": {"include_usage": True}}
             t0 = time.perf_counter()
             first = last = None
@@ -90,10 +93,10 @@ def client(url: str, cid: int, requests: int, tokens: int, results: list) -> Non
                             "tps": (n - 1) / (last - first) if first and last and last > first and n > 1 else None})
 
 
-def level(url: str, c: int, requests: int, tokens: int) -> dict:
+def level(url: str, c: int, requests: int, tokens: int, plen: int) -> dict:
     m0 = metrics(url)
     results: list = []
-    threads = [threading.Thread(target=client, args=(url, i, requests, tokens, results)) for i in range(c)]
+    threads = [threading.Thread(target=client, args=(url, i, requests, tokens, results, plen)) for i in range(c)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -135,11 +138,11 @@ def run(a) -> list[dict]:
         if url is None:
             raise SystemExit("waste serve did not start")
         threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-        level(url, 2, 1, a.tokens)                        # warm-up (and, with a budget, a warm cache)
+        level(url, 2, 1, a.tokens, a.prompt_len)          # warm-up (and, with a budget, a warm cache)
         rounds = []
         for r in range(a.rounds):
             for c in a.levels:
-                row = {"round": r, **level(url, c, a.requests, a.tokens)}
+                row = {"round": r, **level(url, c, a.requests, a.tokens, a.prompt_len)}
                 print(json.dumps(row), flush=True)
                 rounds.append(row)
         return rounds
@@ -179,6 +182,7 @@ def main():
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--requests", type=int, default=2, help="requests per client per level")
     r.add_argument("--tokens", type=int, default=32, help="max_tokens per request")
+    r.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
     r.add_argument("--omp", type=int, default=None, help="OMP_NUM_THREADS for the server")
     r.add_argument("--dtype", default=None, help="the server's compute dtype (default auto)")
     r.add_argument("--json", type=Path, default=None, help="also write the rows here")

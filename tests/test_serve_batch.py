@@ -10,7 +10,7 @@ import torch
 import waste
 from waste.engine import Decoding, Generation
 from waste.runtime.sampling import SamplingParams
-from waste.serve.scheduler import Done, Job, QueueFull, Scheduler
+from waste.serve.scheduler import Done, Job, QueueFull, Scheduler, batch_limit
 
 
 @pytest.fixture(autouse=True)
@@ -173,3 +173,14 @@ def test_decoding_is_what_generation_does(releases):
                 break
         text += d.finish()
         assert text == ref.text and d.finish_reason == ref.finish_reason == "stop"
+
+
+def test_batch_limit_keeps_a_step_within_the_cache(releases):
+    """When the bank does not fit, no more requests run at once than the cache holds tokens' working sets."""
+    c = releases["qwen3_moe"][2]
+    with waste.load(c, dtype="float32", preload=False) as e:
+        assert batch_limit(e, 8) == 8                       # the whole bank fits: no cap
+        per_token = e.model.top_k * len(e.experts.banks)
+        record = e.experts.record_bytes
+    with waste.load(c, dtype="float32", preload=False, budget=2 * per_token * record) as e:
+        assert batch_limit(e, 8) == 2 and batch_limit(e, 1) == 1

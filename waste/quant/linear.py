@@ -19,6 +19,9 @@ class QuantWeight:
 
     def __init__(self, fmt, parts: dict[str, torch.Tensor], shape):
         self.fmt, self.shape = fmt, tuple(shape)
+        # safetensors packs tensors back to back, so a part may start at any byte; torch's int8 kernel reads
+        # bfloat16 activations against it with aligned vector loads and crashes on an unaligned one
+        parts = {k: v if v.data_ptr() % 64 == 0 else v.clone() for k, v in parts.items()}
         self.parts = fmt.prepare(parts, self.shape)
 
     dtype = None      # never equal to a compute dtype, so callers that cast on mismatch call .to(), a no-op

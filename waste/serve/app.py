@@ -103,10 +103,11 @@ class ServerState:
         self.defaults = generation_defaults(engine)
         self.scheduler = Scheduler(engine, self.max_queue, self.max_batch, self.metrics)
 
-    def close(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.close()
-        if self.engine is not None and self._owns_engine:
+    def close(self, timeout: float = 10.0) -> None:
+        stopped = self.scheduler.close(timeout) if self.scheduler is not None else True
+        if not stopped:     # a long step is still running: leave the engine to the process's exit
+            log.warning("the engine is still inside a step; not waiting for it")
+        elif self.engine is not None and self._owns_engine:
             self.engine.close()
         self.scheduler = self.engine = None
 
@@ -731,7 +732,9 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         if server.should_exit:
             return
         bound = next((s.getsockname()[1] for srv in server.servers for s in srv.sockets), port)
-        print(f"waste: serving {state.model_id!r} at http://{host}:{bound}/v1 (max {max_batch} at once, "
+        batch = state.scheduler.max_batch
+        note = f" (of {max_batch}: the expert cache holds {batch} working sets)" if batch < max_batch else ""
+        print(f"waste: serving {state.model_id!r} at http://{host}:{bound}/v1 (max {batch} at once{note}, "
               f"{max_queue} waiting)", file=sys.stderr, flush=True)
 
     state.on_failure = failed

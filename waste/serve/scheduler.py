@@ -70,10 +70,21 @@ class Job:
         return len(self.decoding.token_ids)
 
 
+def batch_limit(engine, wanted: int) -> int:
+    """At most `wanted` requests at once, and no more than the expert cache holds working sets of: a batch whose
+    experts do not fit evicts, every step, what the next step needs (docs/LEARNED.md §6 measured it reading
+    three times the bytes per token of one request alone)."""
+    slots = getattr(engine.experts, "n_slots", 0)
+    per_token = (engine.model.top_k or 0) * len(getattr(engine.experts, "banks", ()))
+    if slots and per_token and getattr(engine.experts, "n_records", 0) > slots:
+        return max(1, min(wanted, slots // per_token))
+    return max(1, wanted)
+
+
 class Scheduler:
     def __init__(self, engine, max_queue: int = 64, max_batch: int = 8, metrics=None):
         self.engine, self.model = engine, engine.model
-        self.max_queue, self.max_batch, self.metrics = max_queue, max(1, max_batch), metrics
+        self.max_queue, self.max_batch, self.metrics = max_queue, batch_limit(engine, max_batch), metrics
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.cv = threading.Condition()
@@ -105,11 +116,14 @@ class Scheduler:
     def active(self) -> int:
         return len(self.running)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop taking work, cancel what is queued or running (after the step in progress); False when the
+        worker is still inside that step after `timeout` seconds."""
         with self.cv:
             self._stop = True
             self.cv.notify()
-        self.thread.join()
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
 
     # -- the worker --------------------------------------------------------------------------------
     def _loop(self) -> None:
