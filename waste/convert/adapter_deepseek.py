@@ -89,11 +89,7 @@ class DeepseekV3Adapter(Adapter):
             p = f"model.layers.{i}"
             a = f"{p}.self_attn"
             names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-            if c["mla"]["q_lora_rank"]:
-                names += [f"{a}.q_a_proj.weight", f"{a}.q_a_layernorm.weight", f"{a}.q_b_proj.weight"]
-            else:
-                names += [f"{a}.q_proj.weight"]
-            names += [f"{a}.{x}.weight" for x in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
+            names += self._mla_names(a)
             if l["mlp"] == "moe":
                 names += [f"{p}.mlp.gate.weight", f"{p}.mlp.gate.e_score_correction_bias"]
                 if c["moe"]["num_shared_experts"]:

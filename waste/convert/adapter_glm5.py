@@ -13,9 +13,6 @@ import re
 from ..errors import WasteError
 from .adapters import EXPERT_MATRICES, Adapter, _first
 
-_KDA = ("q_proj", "k_proj", "v_proj", "o_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
-        "b_proj", "g_a_proj", "g_b_proj", "o_norm")
-_MLA = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 _INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
             "index_kpool_compress_ape", "index_kpool_compress_gate")
 
@@ -171,9 +168,9 @@ class Glm5NextAdapter(Adapter):
             names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
             names += [f"{p}.hc_{s}_{x}" for s in ("attn", "ffn") for x in ("fn", "base", "scale")]
             if l["attn"] == "kda":
-                names += [f"{a}.{x}.weight" for x in _KDA] + [f"{a}.A_log", f"{a}.dt_bias"]
+                names += self._kda_names(a)
             else:
-                names += [f"{a}.{x}.weight" for x in _MLA]
+                names += self._mla_names(a)
                 if c["dsa"]["indexer_types"][i] == "full":
                     names += [f"{a}.indexer.{x}" for x in _INDEXER]
             if l["mlp"] == "moe":

@@ -93,6 +93,17 @@ class Adapter:
     def is_f32(self, trunk_name: str, ndim: int) -> bool:
         return ndim == 1 or trunk_name.endswith(self.keep_f32)
 
+    def _kda_names(self, a: str) -> list[str]:
+        """A KDA layer's tensors under the attention prefix `a` (Kimi-Linear, GLM-5.3)."""
+        return ([f"{a}.{x}_proj.weight" for x in "qkvo"] + [f"{a}.{x}_conv1d.weight" for x in "qkv"]
+                + [f"{a}.{x}.weight" for x in ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm")]
+                + [f"{a}.A_log", f"{a}.dt_bias"])
+
+    def _mla_names(self, a: str) -> list[str]:
+        """An MLA layer's tensors under `a`: q-LoRA or a plain q projection, then the latent KV path."""
+        q = (["q_a_proj", "q_a_layernorm", "q_b_proj"] if self.config["mla"]["q_lora_rank"] else ["q_proj"])
+        return [f"{a}.{x}.weight" for x in q + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]]
+
     def _dense_mlp(self, p: str) -> list[str]:
         return [f"{p}.mlp.{m}_proj.weight" for m in EXPERT_MATRICES]
 
@@ -204,16 +215,7 @@ class KimiLinearAdapter(Adapter):
             p = f"model.layers.{i}"
             a = f"{p}.self_attn"
             names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-            if l["attn"] == "kda":
-                names += [f"{a}.{x}_proj.weight" for x in "qkvo"] + [f"{a}.{x}_conv1d.weight" for x in "qkv"]
-                names += [f"{a}.{x}.weight" for x in ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm")]
-                names += [f"{a}.A_log", f"{a}.dt_bias"]
-            else:
-                if c["mla"]["q_lora_rank"]:
-                    names += [f"{a}.q_a_proj.weight", f"{a}.q_a_layernorm.weight", f"{a}.q_b_proj.weight"]
-                else:
-                    names += [f"{a}.q_proj.weight"]
-                names += [f"{a}.{x}.weight" for x in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
+            names += self._kda_names(a) if l["attn"] == "kda" else self._mla_names(a)
             if l["mlp"] == "moe":
                 m = f"{p}.block_sparse_moe"
                 names += [f"{m}.gate.weight", f"{m}.gate.e_score_correction_bias"]
