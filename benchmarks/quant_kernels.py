@@ -3,6 +3,7 @@ expert cache makes (runtime/experts.py expert_swiglu on a record's parts), at T 
 (prefill), for the expert shapes of Qwen3-30B-A3B, Kimi-Linear-48B and Kimi K3 (latent 3584 -> 3072).
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/quant_kernels.py [--shapes qwen3,kimi,k3] [--formats ...] [--passes 5]
+        [--dtype bfloat16|float32]
 
 Records hold random parts of the right dtypes (speed does not depend on the values; vq3's k-means would take
 minutes per record). "Cold": each pass walks through enough distinct records to exceed 600 MB, so the weights
@@ -61,12 +62,12 @@ def mem_bandwidth() -> float:
     return best
 
 
-def bench(fmt, h, inter, T, passes, gen):
+def bench(fmt, h, inter, T, passes, gen, dtype=torch.bfloat16):
     layout, rec0, shapes = random_record(fmt, h, inter, gen)
     n = max(4, min(48, COLD_BYTES // layout.record_bytes + 1))
     recs = [rec0] + [random_record(fmt, h, inter, gen)[1] for _ in range(n - 1)]
     views = [layout.views(r) for r in recs]
-    x = torch.randn(T, h, generator=gen)
+    x = torch.randn(T, h, generator=gen).to(dtype)
     for v in views[:2]:
         expert_swiglu(x, v, fmt, shapes)                 # compile / warm
     meds = []
@@ -86,10 +87,12 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--tokens", default="1,64")
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16 (what models over 2 GiB "
+                    "compute in) or float32")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     bw = mem_bandwidth()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; memory bandwidth (torch sum) {bw:.1f} GB/s; "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.dtype} activations; memory bandwidth (torch sum) {bw:.1f} GB/s; "
           f"disk {DISK_GBS} GB/s (machine.md)")
     print("| shape | format | bits/w | record MB | T | us/expert (median, range) | stored GB/s | memory limit us | disk limit us |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -98,7 +101,7 @@ def main() -> None:
         for f in a.formats.split(","):
             fmt = get_format(f)
             for T in [int(t) for t in a.tokens.split(",")]:
-                nbytes, meds = bench(fmt, h, inter, T, a.passes, gen)
+                nbytes, meds = bench(fmt, h, inter, T, a.passes, gen, getattr(torch, a.dtype))
                 med = statistics.median(meds)
                 bpw = nbytes * 8 / (3 * h * inter)
                 print(f"| {s} {h}x{inter} | {f} | {bpw:.2f} | {nbytes / 1e6:.2f} | {T} | {med * 1e6:.0f} "

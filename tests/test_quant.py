@@ -18,10 +18,12 @@ from waste.quant.quality import agreement, compare, greedy, rel_error
 HELDOUT = Path(__file__).parent / "data" / "heldout_waste_source.py.txt"
 TIE = 0.05        # a top-2 logit gap below this is a near-tie: either token is a right answer (seed 0.7.0)
 
-# measured on the bundled model (docs/LEARNED.md, "Quantized formats: quality"); each bound is the lead's target
-# where the format meets it, else the measured figure with headroom for the shorter CI text
-# vq3 is not here yet: converting the bundled model to it (k-means on 384 matrices) takes minutes on 2 cores
-BOUNDS = {("q8", "bf16"): 1e-3, ("q8", "q8"): 2.5e-3, ("q4", "q8"): 3e-2}
+# On the bundled trained model (docs/LEARNED.md §5c), first 1024 held-out tokens. q8 and q4 are held to the
+# targets (KL <= 1e-3 and <= 1e-2); vq3 and mxfp4 (re-quantized from float) to their measured figure plus 25%.
+# Measured on this text: q8/bf16 2.4e-4, q8/q8 7.3e-4, q4/bf16 9.4e-3, q4/q8 9.3e-3, vq3 2.8e-2, mxfp4 2.2e-2.
+BOUNDS = {("q8", "bf16"): 1e-3, ("q8", "q8"): 1e-3, ("q4", "bf16"): 1e-2, ("q4", "q8"): 1e-2,
+          ("vq3", "bf16"): 3.5e-2, ("mxfp4", "bf16"): 2.75e-2}
+TOP1 = {"q8": 0.98, "q4": 0.93, "vq3": 0.89, "mxfp4": 0.90}     # measured 0.992, 0.950, 0.917, 0.921
 
 
 @pytest.mark.parametrize("name", ["q8", "q4", "q4g32", "q4g128", "vq3", "mxfp4"])
@@ -35,11 +37,15 @@ def test_kernel_equals_unpacked_matmul(name, shape):
     assert {k: (v.dtype, tuple(v.shape)) for k, v in parts.items()} == fmt.part_specs(shape)
     d = fmt.unpack(parts, shape, torch.float32)
     assert rel_error(fmt, w) < {"q8": 0.01, "vq3": 0.25, "mxfp4": 0.15}.get(name, 0.1)
+    # torch's int4 kernel takes float32 activations as bfloat16 (int4pack.int4_mm): its input is rounded to bf16
+    # before the float32 accumulation, and its output after it, which adds at most bf16's unit roundoff 2^-9
+    bf16_kernel = name.startswith("q4") and int4pack.kernel_ok(*shape, fmt._group(parts, shape))
     for T in (1, 3, 9):
         x = torch.randn(T, shape[1])
         y = fmt.linear(x, parts, shape)
         assert y.dtype == torch.float32
-        assert ((y - x @ d.T).norm() / (x @ d.T).norm()).item() < 1e-5
+        ref = (x.bfloat16().float() if bf16_kernel else x) @ d.T
+        assert ((y - ref).norm() / ref.norm()).item() < (2 ** -9 if bf16_kernel else 0) + 1e-5
     yb = fmt.linear(x.bfloat16(), parts, shape)
     assert yb.dtype == torch.bfloat16 and ((yb.float() - x @ d.T).norm() / (x @ d.T).norm()).item() < 2e-2
 
@@ -113,7 +119,7 @@ def test_quality_on_the_bundled_model(experts, trunk, bundled_ref):
     with waste.load(out, dtype="float32") as eng:
         q = compare(ref, eng, ids, prompts, n=16, ref_cache=cache)
     assert q.kl <= BOUNDS[(experts, trunk)], q
-    assert q.top1 >= {"q8": 0.97, "q4": 0.85, "vq3": 0.7}[experts], q
+    assert q.top1 >= TOP1[experts], q
     if experts == "q8":
         assert q.greedy_same >= q.greedy_total // 2, q
 

@@ -91,6 +91,10 @@ def to_native(p: torch.Tensor, N: int, K: int) -> torch.Tensor:
 def int4_mm(x: torch.Tensor, p: torch.Tensor, group: int, scale_zero: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ W.T where W[n, k] = (q[n, k] - 8) * s[k // group, n] + z[k // group, n]; result in x's dtype.
 
-    x may be float32, bfloat16 or float16; the kernel accumulates in float32 and wants the scales in x's dtype."""
+    x may be float32, bfloat16 or float16; the kernel accumulates in float32 and wants the scales in x's dtype.
+    A float32 x goes through as bfloat16 (its input and output rounded to bf16): torch's float32 path is 29x
+    slower at one row and 74x at 64 (docs/LEARNED.md §5b), and the 4-bit weights' own error is 40x the rounding's."""
+    if x.dtype == torch.float32:
+        return int4_mm(x.to(torch.bfloat16), p, group, scale_zero).float()
     sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
     return torch._weight_int4pack_mm_for_cpu(x.contiguous(), p, group, sz)
