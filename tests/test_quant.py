@@ -145,7 +145,8 @@ def test_routing_to_fewer_experts(bundled_ref):
     with waste.load(path, dtype="float32", top_k=1) as eng:
         assert eng.model.top_k == 1
         q = compare(ref, eng, ids, prompts, n=16, ref_cache=cache)
-    assert 1e-3 < q.kl < 0.5 and q.top1 < 1.0      # a real, bounded cost (docs/LEARNED.md records it)
+    # a real cost, held to the measured figure plus 25% (docs/LEARNED.md §5e: KL 0.125, top-1 0.829 on this text)
+    assert 0.05 < q.kl < 0.156 and 0.78 < q.top1 < 0.9, q
 
 
 def _compressed_release(hf, dst: Path, kind: str) -> dict:
