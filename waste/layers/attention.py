@@ -21,29 +21,56 @@ class GQAConfig:
     eps: float
 
 
-@dataclass
 class KVCache:
-    k: torch.Tensor   # [T, kv_heads, head_dim], keys after rotary
-    v: torch.Tensor
+    """Keys (after rotary) and values [T, kv_heads, head_dim] of the tokens so far, in a buffer that grows by
+    doubling: appending a decode step writes one row instead of copying the whole cache (torch.cat did)."""
+
+    __slots__ = ("kb", "vb", "n")
+
+    def __init__(self, kb: torch.Tensor, vb: torch.Tensor, n: int = 0):
+        self.kb, self.vb, self.n = kb, vb, n
 
     @staticmethod
     def empty(cfg: GQAConfig, dtype) -> "KVCache":
         z = torch.empty(0, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
         return KVCache(z, z.clone())
 
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kb[:self.n]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.vb[:self.n]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        T = k.shape[0]
+        if self.n + T > self.kb.shape[0]:
+            cap = max(2 * self.kb.shape[0], self.n + T, 16)
+            kb, vb = self.kb.new_empty((cap, *k.shape[1:])), self.vb.new_empty((cap, *v.shape[1:]))
+            kb[:self.n], vb[:self.n] = self.k, self.v
+            self.kb, self.vb = kb, vb
+        self.kb[self.n:self.n + T], self.vb[self.n:self.n + T] = k, v
+        self.n += T
+        return self
+
     def __len__(self):
-        return self.k.shape[0]
+        return self.n
 
 
 def causal_softmax_attend(q, k, v, scale: float, start: int) -> torch.Tensor:
-    """q [T, H, d], k/v [S, H, dv] with S = start + T; query t sees keys <= start + t. Softmax in float32."""
-    T, S = q.shape[0], k.shape[0]
-    scores = torch.einsum("thd,shd->hts", q, k) * scale
+    """q [T, H, d], k/v [S, G, dv] with S = start + T and H a multiple of G (grouped-query: query head h reads
+    key/value head h // (H / G), without copying the cache H / G times); query t sees keys <= start + t.
+    Softmax in float32."""
+    T, H, d = q.shape
+    S, G = k.shape[0], k.shape[1]
+    qg = q.view(T, G, H // G, d)
+    scores = torch.einsum("tgrd,sgd->grts", qg, k) * scale
     if T > 1:
         mask = torch.arange(S)[None, :] > (start + torch.arange(T))[:, None]
         scores = scores.masked_fill(mask, float("-inf"))
     p = F.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-    return torch.einsum("hts,shd->thd", p, v)
+    return torch.einsum("grts,sgd->tgrd", p, v).reshape(T, H, v.shape[-1])
 
 
 def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, positions: torch.Tensor):
@@ -58,9 +85,6 @@ def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, positi
     cos, sin = rope_cos_sin(positions, d, cfg.rope_theta, x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     start = len(cache)
-    cache = KVCache(torch.cat([cache.k, k]), torch.cat([cache.v, v]))
-    rep = H // KV
-    kk = cache.k.repeat_interleave(rep, dim=1) if rep > 1 else cache.k
-    vv = cache.v.repeat_interleave(rep, dim=1) if rep > 1 else cache.v
-    o = causal_softmax_attend(q, kk, vv, d ** -0.5, start)
+    cache = cache.append(k, v)
+    o = causal_softmax_attend(q, cache.k, cache.v, d ** -0.5, start)
     return linear(o.reshape(T, H * d), w["o_proj.weight"]), cache

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 class Format:
     name: str = ""
     bits: float = 0.0
+    kernel_dtype: torch.dtype | None = None   # the activation dtype linear() computes in whatever x's (None: x's)
 
     def pack(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError

@@ -70,6 +70,7 @@ def group_for(K: int, group: int) -> int:
 
 class Q4(Format):
     bits = 4.0
+    kernel_dtype = torch.bfloat16      # int4pack.int4_mm runs a float32 x as bf16
     # above this many rows of x, unpacking once and multiplying in float beats the int4 kernel (docs/LEARNED.md)
     dequant_rows = 1 << 30
 

@@ -23,7 +23,7 @@ from ..container import Container
 from ..errors import WasteError
 from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
-from .experts import ExpertStats, expert_swiglu
+from .experts import ExpertStats, expert_swiglu, matrix_parts
 from .policy import LFRU, LFRU_HALF_LIFE
 
 
@@ -59,6 +59,7 @@ class ExpertCache:
         self.policy = LFRU(self.n_slots, half_life)
         self.step = 1.0 / max(len(self.banks), 1)     # one token = one call per MoE layer
         self.layout = next(iter(self.banks.values())).layout if self.banks else None
+        self._parts_of_slot: dict[int, dict] = {}
         self.readers = {l: BankReader(b, direct) for l, b in self.banks.items()}
         self.direct = all(r.direct for r in self.readers.values()) if self.readers else False
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="waste-read")
@@ -79,6 +80,13 @@ class ExpertCache:
     # -- slots -------------------------------------------------------------------------------------
     def slot_tensor(self, slot: int) -> torch.Tensor:
         return self.slab[slot * self.record_bytes:(slot + 1) * self.record_bytes]
+
+    def _slot_parts(self, slot: int) -> dict:
+        """The record's matrices as views over its slot: built once per slot (the slab never moves), not per call."""
+        p = self._parts_of_slot.get(slot)
+        if p is None:
+            p = self._parts_of_slot[slot] = matrix_parts(self.layout.views(self.slot_tensor(slot)))
+        return p
 
     def _take_slots(self, n: int, pinned: set[int]) -> list[int]:
         """n slots for new records: free ones first, then the lowest-scoring unpinned residents."""
@@ -214,8 +222,8 @@ class ExpertCache:
 
     def _run_expert(self, layer, e, x, idx, weights):
         rows, cols = (idx == e).nonzero(as_tuple=True)
-        views = self.layout.views(self.slot_tensor(self.slot_of[(layer, e)]))
-        y = expert_swiglu(x[rows], views, self.fmt, self.shapes, self.swiglu_limit) * weights[rows, cols, None]
+        y = expert_swiglu(x[rows], None, self.fmt, self.shapes, self.swiglu_limit,
+                          self._slot_parts(self.slot_of[(layer, e)])) * weights[rows, cols, None]
         return rows, y.to(x.dtype)
 
     # -- lifecycle ---------------------------------------------------------------------------------

@@ -32,10 +32,20 @@ def parts_of(views: dict[str, torch.Tensor], matrix: str) -> dict[str, torch.Ten
             if k == matrix or k.startswith(matrix + ".")}
 
 
+def matrix_parts(views: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """A record's parts grouped per matrix: {"gate": {...}, "up": {...}, "down": {...}}."""
+    return {m: parts_of(views, m) for m in ("gate", "up", "down")}
+
+
 def expert_swiglu(x: torch.Tensor, views: dict[str, torch.Tensor], fmt, shapes: dict,
-                  limit: float | None = None) -> torch.Tensor:
+                  limit: float | None = None, parts: dict | None = None) -> torch.Tensor:
     """down(silu(gate x) * up x) straight from a record's stored parts, through the format's own matmul.
-    limit: the config's `swiglu_limit` (clamped SwiGLU, layers/mlp.py swiglu_act); None for the plain form."""
-    g = fmt.linear(x, parts_of(views, "gate"), shapes["gate"])
-    u = fmt.linear(x, parts_of(views, "up"), shapes["up"])
-    return fmt.linear(swiglu_act(g, u, limit), parts_of(views, "down"), shapes["down"])
+    limit: the config's `swiglu_limit` (clamped SwiGLU, layers/mlp.py swiglu_act); None for the plain form.
+    parts: matrix_parts(views), when the caller keeps it (the cache does, per slot)."""
+    p = parts or matrix_parts(views)
+    dt = x.dtype
+    if fmt.kernel_dtype is not None and dt != fmt.kernel_dtype:
+        x = x.to(fmt.kernel_dtype)     # once per expert, not twice per matrix (the format would cast anyway)
+    g = fmt.linear(x, p["gate"], shapes["gate"])
+    u = fmt.linear(x, p["up"], shapes["up"])
+    return fmt.linear(swiglu_act(g, u, limit), p["down"], shapes["down"]).to(dt)
