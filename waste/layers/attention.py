@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ..quant.linear import linear
 from .norm import rms_norm
 from .rope import apply_rope, rope_cos_sin
+from .rows import Rows
 
 
 @dataclass(frozen=True)
@@ -22,13 +23,13 @@ class GQAConfig:
 
 
 class KVCache:
-    """Keys (after rotary) and values [T, kv_heads, head_dim] of the tokens so far, in a buffer that grows by
-    doubling: appending a decode step writes one row instead of copying the whole cache (torch.cat did)."""
+    """Keys (after rotary) and values [T, kv_heads, head_dim] of the tokens so far (layers/rows.py: appending
+    shares the buffer, which doubles when full, instead of copying the cache)."""
 
-    __slots__ = ("kb", "vb", "n")
+    __slots__ = ("_k", "_v")
 
-    def __init__(self, kb: torch.Tensor, vb: torch.Tensor, n: int = 0):
-        self.kb, self.vb, self.n = kb, vb, n
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self._k, self._v = Rows(k), Rows(v)
 
     @staticmethod
     def empty(cfg: GQAConfig, dtype) -> "KVCache":
@@ -37,25 +38,20 @@ class KVCache:
 
     @property
     def k(self) -> torch.Tensor:
-        return self.kb[:self.n]
+        return self._k.data
 
     @property
     def v(self) -> torch.Tensor:
-        return self.vb[:self.n]
+        return self._v.data
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
-        T = k.shape[0]
-        if self.n + T > self.kb.shape[0]:
-            cap = max(2 * self.kb.shape[0], self.n + T, 16)
-            kb, vb = self.kb.new_empty((cap, *k.shape[1:])), self.vb.new_empty((cap, *v.shape[1:]))
-            kb[:self.n], vb[:self.n] = self.k, self.v
-            self.kb, self.vb = kb, vb
-        self.kb[self.n:self.n + T], self.vb[self.n:self.n + T] = k, v
-        self.n += T
-        return self
+        """The cache with these tokens' keys and values after the others (this one unchanged)."""
+        out = KVCache.__new__(KVCache)
+        out._k, out._v = self._k.append(k), self._v.append(v)
+        return out
 
     def __len__(self):
-        return self.n
+        return len(self._k)
 
 
 def causal_softmax_attend(q, k, v, scale: float, start: int) -> torch.Tensor:

@@ -198,7 +198,7 @@ def dsa_forward(
         if positions is None:
             positions = torch.arange(P, P + T, device=x.device)
         q_pe, k_pe = mla_cfg.rope(q_pe, k_pe, positions)
-    mla = MLACache(torch.cat([cache.mla.c_kv.to(x.dtype), c_kv]), torch.cat([cache.mla.k_pe.to(x.dtype), k_pe]))
+    mla = cache.mla.append(c_kv, k_pe)
 
     index = cache.index
     if index is not None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from waste.layers.norm import rms_norm
+from waste.layers.rows import Rows
 from waste.quant.linear import linear
 
 # rope(q_pe [T, H, r], k_pe [T, r], positions [T] int64) -> (q_pe, k_pe), both in the same layout
@@ -38,12 +39,28 @@ class MLAConfig:
     rope: Rope | None = None
 
 
-@dataclass
 class MLACache:
-    """One sequence's latent cache: c_kv [T, kv_lora_rank] (normed) and k_pe [T, rope_dim] (rotated)."""
+    """One sequence's latent cache: c_kv [T, kv_lora_rank] (normed) and k_pe [T, rope_dim] (rotated); appending
+    shares the buffer (layers/rows.py)."""
 
-    c_kv: Tensor
-    k_pe: Tensor
+    __slots__ = ("_c", "_pe")
+
+    def __init__(self, c_kv: Tensor, k_pe: Tensor):
+        self._c, self._pe = Rows(c_kv), Rows(k_pe)
+
+    @property
+    def c_kv(self) -> Tensor:
+        return self._c.data
+
+    @property
+    def k_pe(self) -> Tensor:
+        return self._pe.data
+
+    def append(self, c_kv: Tensor, k_pe: Tensor) -> "MLACache":
+        """The cache with these tokens after the others (this one unchanged)."""
+        out = MLACache.__new__(MLACache)
+        out._c, out._pe = self._c.append(c_kv), self._pe.append(k_pe)
+        return out
 
     @classmethod
     def empty(cls, cfg: MLAConfig, dtype: torch.dtype = torch.float32, device=None) -> "MLACache":
@@ -53,7 +70,7 @@ class MLACache:
         )
 
     def __len__(self) -> int:
-        return self.c_kv.shape[0]
+        return len(self._c)
 
 
 def _linear(x: Tensor, w: Tensor) -> Tensor:
@@ -126,7 +143,7 @@ def mla_forward(
             positions = torch.arange(P, P + T, device=x.device)
         q_pe, k_pe = cfg.rope(q_pe, k_pe, positions)
 
-    cache = MLACache(torch.cat([cache.c_kv.to(x.dtype), c_kv]), torch.cat([cache.k_pe.to(x.dtype), k_pe]))
+    cache = cache.append(c_kv, k_pe)
     # query t sits at cache position P + t and sees keys 0 .. P + t
     mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).triu(P + 1)
     attend = _attend_absorbed if (T == 1 if absorb is None else absorb) else _attend_naive

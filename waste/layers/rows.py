@@ -1,0 +1,46 @@
+"""A per-sequence cache that grows by rows, appended without copying what is already there.
+
+`append` returns a new Rows and leaves the old one as it was, so the layers stay pure functions of their inputs;
+underneath, both share one buffer that doubles when full. A decode step then writes its row instead of copying
+the whole cache (what torch.cat per step did: O(context) bytes per layer per token). Appending twice to the same
+Rows (a branch) copies, so that neither sees the other's rows.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class _Buffer:
+    __slots__ = ("t", "filled")
+
+    def __init__(self, t: torch.Tensor, filled: int):
+        self.t, self.filled = t, filled
+
+
+class Rows:
+    __slots__ = ("_b", "n")
+
+    def __init__(self, t: torch.Tensor, _buffer: _Buffer | None = None):
+        self._b = _buffer or _Buffer(t, t.shape[0])
+        self.n = t.shape[0]
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The rows, a view of the shared buffer: later appends write past them, never over them."""
+        return self._b.t[:self.n]
+
+    def append(self, x: torch.Tensor) -> "Rows":
+        b, T = self._b, x.shape[0]
+        if self.n != b.filled or self.n + T > b.t.shape[0] or x.dtype != b.t.dtype:
+            cap = max(2 * b.t.shape[0], self.n + T, 16)
+            t = torch.empty((cap, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            t[:self.n] = self.data
+            b = _Buffer(t, self.n)
+        b.t[self.n:self.n + T] = x
+        b.filled = self.n + T
+        out = Rows.__new__(Rows)
+        out._b, out.n = b, self.n + T
+        return out
+
+    def __len__(self) -> int:
+        return self.n
