@@ -1,11 +1,12 @@
 """Streaming benchmark: a Qwen3-30B-A3B-shaped model whose expert bank is about twice the memory limit.
 
 Widths are Qwen3-30B-A3B's (hidden 2048, 128 experts, top-8, moe_intermediate 768, 32 query / 4 KV heads,
-head_dim 128); the layer count is chosen so the bf16 bank is about 2x the limit. Weights are seeded random,
+head_dim 128); the layer count is chosen so the bank (q4 by default, what `waste convert` writes) is about 2x the
+limit: the ratio of the real 48-layer model's 16.3 GB q4 bank to an 8 GiB machine. Weights are seeded random,
 so routing is close to uniform: the hit rate follows budget / bank, where a trained model's skewed routing
 does better (docs/LEARNED.md). The vocabulary is the small synthetic one (the trunk is not what is measured).
 
-    python benchmarks/streaming_qwen3_30b.py build --dir /tmp/q30b          # writes the release + container
+    python benchmarks/streaming_qwen3_30b.py build --dir /tmp/q30b --limit 8G   # writes the release + container
     ../shared/tools/laptop --drop-caches 8G -- waste bench /tmp/q30b/q30b.waste -n 32 --prompt-len 16 --json
     python benchmarks/streaming_qwen3_30b.py run --dir /tmp/q30b --limit 8G --repeat 3   # does the line above
 
@@ -22,37 +23,48 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from waste.convert.convert import convert
 from waste.convert.synthetic import qwen3_moe_config, write_random_qwen3_moe
+from waste.quant.formats import get_format
 from waste.units import parse_size
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
-def shape(limit_bytes: int, factor: float = 2.0) -> dict:
-    record = 3 * 768 * 2048 * 2 + 4096          # bf16 gate/up/down, padded to 4 KiB
-    layers = math.ceil(factor * limit_bytes / (128 * record))
+def record_bytes(experts: str) -> int:
+    """One expert record of this shape in the given format (gate, up, down), padded to 4 KiB as banks store it."""
+    fmt = get_format(experts)
+    n = sum(torch.Size(shp).numel() * dt.itemsize for m in ((768, 2048), (768, 2048), (2048, 768))
+            for dt, shp in fmt.part_specs(m).values())
+    return -(-n // 4096) * 4096
+
+
+def shape(limit_bytes: int, factor: float = 2.0, experts: str = "bf16") -> dict:
+    layers = math.ceil(factor * limit_bytes / (128 * record_bytes(experts)))
     return qwen3_moe_config(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                             num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                             num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
 
 
-def build(d: Path, limit: int) -> Path:
+def build(d: Path, limit: int, experts: str) -> Path:
     out = d / "q30b.waste"
     if (out / "manifest.json").is_file():
         return out
     src = d / "src"
-    write_random_qwen3_moe(src, shape(limit), seed=0, shard_bytes=2 << 30, progress=True)
-    convert(src, out, force=True)
+    write_random_qwen3_moe(src, shape(limit, experts=experts), seed=0, shard_bytes=2 << 30, progress=True)
+    convert(src, out, experts=experts, force=True)
     shutil.rmtree(src)        # the release is only needed to convert
     return out
 
 
-def run(d: Path, limit: str, repeat: int, n: int, prompt_len: int) -> list[dict]:
+def run(d: Path, limit: str, repeat: int, n: int, prompt_len: int, feed: str = "greedy",
+        routing: str = "model") -> list[dict]:
     results = []
     for _ in range(repeat):
         cmd = [str(SHARED / "tools" / "laptop"), "--drop-caches", limit, "--", sys.executable, "-m", "waste", "bench",
-               str(d / "q30b.waste"), "-n", str(n), "--prompt-len", str(prompt_len), "--json"]
+               str(d / "q30b.waste"), "-n", str(n), "--prompt-len", str(prompt_len), "--feed", feed, "--routing", routing, "--json"]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"bench failed ({p.returncode}): {p.stderr[-2000:]}")
@@ -75,16 +87,23 @@ def main():
     ap.add_argument("what", choices=["build", "run"])
     ap.add_argument("--dir", default="/tmp/q30b")
     ap.add_argument("--limit", default="8G")
+    ap.add_argument("--experts", default="q4", help="the expert format the bank is built in (its size sets the "
+                    "layer count: a bank of 2x the limit)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--feed", choices=["greedy", "random"], default="random",
+                    help="waste bench --feed: random tokens route like varied text (greedy repeats on random weights)")
+    ap.add_argument("--routing", choices=["model", "uniform"], default="uniform",
+                    help="waste bench --routing: uniform is a balanced model's worst case; this random model's own "
+                         "router concentrates on a few experts in its deeper layers")
     a = ap.parse_args()
     d = Path(a.dir)
     d.mkdir(parents=True, exist_ok=True)
     if a.what == "build":
-        print(build(d, parse_size(a.limit)))
+        print(build(d, parse_size(a.limit), a.experts))
     else:
-        res = run(d, a.limit, a.repeat, a.n, a.prompt_len)
+        res = run(d, a.limit, a.repeat, a.n, a.prompt_len, a.feed, a.routing)
         (d / "results.json").write_text(json.dumps(res, indent=1))
 
 

@@ -232,3 +232,63 @@ def test_cli_convert_flags_and_info(releases, tmp_path):
     m = json.loads((tmp_path / "c.waste" / "manifest.json").read_text())
     assert (m["experts"]["format"], m["trunk"]["format"]) == ("q4", "q8")
     assert main(["convert", str(src), str(tmp_path / "d.waste"), "--experts", "q5"]) == 1
+
+
+def _q4_search_in_torch(x: torch.Tensor):
+    """The q4 search of waste/quant/q4fit.py written as whole-tensor torch ops (how q4 was first built): x [N, G, g]
+    -> codes, scale, zero. An independent reference for the numba kernel."""
+    from waste.quant.intq import Q4_REFITS, Q4_SHRINK
+
+    def codes_err(s, z):
+        q = ((x - z[..., None]) / s[..., None] + 8).round().clamp(0, 15)
+        return q, (((q - 8) * s[..., None] + z[..., None] - x) ** 2).sum(-1)
+
+    mx, mn = x.amax(-1), x.amin(-1)
+    c, h = (mx + mn) / 2, (mx - mn) / 2
+    best = None
+    for shrink in Q4_SHRINK:
+        s = (2 * h * shrink / 15).clamp_min(1e-30).to(torch.bfloat16).float()
+        z = (c - h * shrink + 8 * s).to(torch.bfloat16).float()
+        q, e = codes_err(s, z)
+        if best is None:
+            best = [q, s, z, e]
+            continue
+        b = e < best[3]
+        best = [torch.where(b[..., None], q, best[0]), torch.where(b, s, best[1]), torch.where(b, z, best[2]),
+                torch.minimum(e, best[3])]
+    q, s, z, e = best
+    for _ in range(Q4_REFITS):
+        cq = q - 8
+        cm, xm = cq.mean(-1, keepdim=True), x.mean(-1, keepdim=True)
+        var = ((cq - cm) ** 2).sum(-1)
+        s2 = torch.where(var > 0, ((cq - cm) * (x - xm)).sum(-1) / var.clamp_min(1e-30), s).clamp_min(1e-30)
+        s2 = s2.to(torch.bfloat16).float()
+        z2 = (xm[..., 0] - s2 * cm[..., 0]).to(torch.bfloat16).float()
+        q2, e2 = codes_err(s2, z2)
+        b = e2 < e
+        q, s, z, e = torch.where(b[..., None], q2, q), torch.where(b, s2, s), torch.where(b, z2, z), torch.minimum(e, e2)
+    return q, s, z
+
+
+def test_q4_fit_kernel_matches_the_torch_search():
+    """The numba search picks the same codes as the same search in torch, on random and on the bundled model's
+    weights; where float summation order flips a near-tie, the squared error stays the same to 1e-6."""
+    from waste.convert.source import Checkpoint
+    from waste.quant.intq import Q4_REFITS, Q4_SHRINK
+    from waste.quant.q4fit import fit_groups
+
+    ck = Checkpoint(BUNDLED)
+    mats = [torch.randn(256, 1024, generator=torch.Generator().manual_seed(4)),
+            ck.get("model.layers.3.mlp.experts.7.gate_proj.weight").float(),
+            ck.get("model.layers.3.mlp.experts.7.down_proj.weight").float()]
+    for w in mats:
+        N, K = w.shape
+        g = 64 if K % 64 == 0 else 32
+        x = w.view(N, K // g, g)
+        q, s, z = fit_groups(x, Q4_SHRINK, Q4_REFITS)
+        rq, rs, rz = _q4_search_in_torch(x)
+        same = (q.float() == rq).all(-1)
+        assert same.float().mean() >= 0.999, same.float().mean()
+        err = (((q.float() - 8) * s[..., None] + z[..., None] - x) ** 2).sum()
+        ref = (((rq - 8) * rs[..., None] + rz[..., None] - x) ** 2).sum()
+        assert abs(err - ref) <= 1e-6 * ref, (err, ref)

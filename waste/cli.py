@@ -109,7 +109,7 @@ def cmd_bench(a):
 
     eng = _load(a, a.model)
     try:
-        r = bench(eng, n=a.n, prompt_len=a.prompt_len)
+        r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing)
     finally:
         eng.close()
     print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
@@ -238,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-n", type=int, default=64, help="tokens to decode (default 64)")
     b.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     b.add_argument("--json", action="store_true")
+    b.add_argument("--feed", choices=["greedy", "random"], default="greedy",
+                   help="decode steps take the model's greedy token (default) or seeded random tokens (a random-"
+                        "weight model's greedy output repeats, and so does its routing)")
+    b.add_argument("--routing", choices=["model", "uniform"], default="model",
+                   help="the router's choice (default) or top_k experts uniformly at random per token: the cache's "
+                        "worst case for a balanced model")
     _engine_args(b)
     b.set_defaults(fn=cmd_bench)
 

@@ -149,7 +149,9 @@ class Checkpoint:
         return f"q4g{g}", {"q": pack_nibbles(_int4_nibbles(packed, N, K)), "sz": sz}
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor as float32 (fp8 blocks dequantized with their scale companion, packed weights unpacked)."""
+        """The tensor in a float dtype: as stored for bf16 / f16 / f32 (the formats widen what they need, so a
+        bf16 -> bf16 conversion copies bytes), float32 for fp8 blocks (dequantized with their scale companion) and
+        packed weights (unpacked)."""
         if self.dtype(name) in ("MXFP4", "INT4"):
             h = self._handle(self.where[name])
             packed, scale = h.get_tensor(name + "_packed"), h.get_tensor(name + "_scale")
@@ -169,7 +171,7 @@ class Checkpoint:
             return dequant_fp8_blocks(t, self._handle(self.where[comp]).get_tensor(comp), self.fp8_block)
         if not t.is_floating_point():
             raise WasteError(f"{name} has dtype {t.dtype}, which this converter does not read yet")
-        return t.float()
+        return t if t.dtype in (torch.bfloat16, torch.float16, torch.float32) else t.float()
 
     def _handle(self, f: str):
         if f not in self._handles:

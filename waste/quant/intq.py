@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from . import int4pack
 from .formats import Format
+from .q4fit import fit_groups
 
 Q4_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 Q8_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)
@@ -90,36 +91,7 @@ class Q4(Format):
         if N % 2 or K % 2:
             raise ValueError(f"q4 needs an even number of rows and columns, got {N} x {K}")
         g = group_for(K, self.group)
-        x = w.float().view(N, K // g, g)
-        mx, mn = x.amax(-1), x.amin(-1)
-        c, h = (mx + mn) / 2, (mx - mn) / 2
-        best = None
-        for shrink in Q4_SHRINK:
-            lo = c - h * shrink
-            s = (2 * h * shrink / 15).clamp_min(1e-30).to(torch.bfloat16).float()
-            z = (lo + 8 * s).to(torch.bfloat16).float()
-            q = ((x - z[..., None]) / s[..., None] + 8).round().clamp(0, 15)
-            e = (((q - 8) * s[..., None] + z[..., None] - x) ** 2).sum(-1)
-            if best is None:
-                best = [q, s, z, e]
-            else:
-                better = e < best[3]
-                best[0] = torch.where(better[..., None], q, best[0])
-                best[1], best[2] = torch.where(better, s, best[1]), torch.where(better, z, best[2])
-                best[3] = torch.minimum(e, best[3])
-        q, s, z, e = best
-        for _ in range(Q4_REFITS):      # least-squares scale and zero for these codes, then round again
-            c = q - 8
-            cm, xm = c.mean(-1, keepdim=True), x.mean(-1, keepdim=True)
-            var = ((c - cm) ** 2).sum(-1)
-            s2 = torch.where(var > 0, ((c - cm) * (x - xm)).sum(-1) / var.clamp_min(1e-30), s).clamp_min(1e-30)
-            s2 = s2.to(torch.bfloat16).float()
-            z2 = (xm[..., 0] - s2 * cm[..., 0]).to(torch.bfloat16).float()
-            q2 = ((x - z2[..., None]) / s2[..., None] + 8).round().clamp(0, 15)
-            e2 = (((q2 - 8) * s2[..., None] + z2[..., None] - x) ** 2).sum(-1)
-            better = e2 < e
-            q = torch.where(better[..., None], q2, q)
-            s, z, e = torch.where(better, s2, s), torch.where(better, z2, z), torch.minimum(e, e2)
+        q, s, z = fit_groups(w.float().view(N, K // g, g), Q4_SHRINK, Q4_REFITS)
         sz = torch.stack([s, z], -1).transpose(0, 1).to(torch.bfloat16).contiguous()      # [K/g, N, 2]
         return {"q": int4pack.pack_nibbles(q.view(N, K).to(torch.uint8)), "sz": sz}
 

@@ -13,7 +13,14 @@ BENCH_TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\
               "The expert cache keeps the most useful experts in memory and reads the rest from disk. ")
 
 
-def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0) -> dict:
+def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, feed: str = "greedy",
+          routing: str = "model") -> dict:
+    """feed: what each decode step is given, "greedy" (the model's own choice) or "random" (a seeded random token
+    sequence: on a model with random weights greedy decoding soon repeats one token, and with it the same
+    experts, which flatters the cache).
+    routing: "model" (the router's choice) or "uniform" (each token to top_k experts drawn uniformly at random,
+    seeded: the cache's worst case for a balanced model; a random-weight model's own router concentrates on a few
+    experts per layer in its deeper layers and flatters the cache as much as repeated tokens do)."""
     tok = engine.tokenizer
     ids = []
     while len(ids) < prompt_len:
@@ -26,14 +33,17 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0) -
         s = cache.stats
         return s.hits, s.misses, s.bytes_read, s.read_seconds
 
+    if routing == "uniform" and getattr(model, "moe", None):
+        model.route = _uniform_router(model)
     c0 = counters()
     t0 = time.perf_counter()
     logits = model.forward(torch.tensor(ids), state, 0, last_only=True)[-1]
     t1 = time.perf_counter()
     c1 = counters()
     pos = len(ids)
-    for _ in range(n):
-        nxt = int(torch.argmax(logits))
+    fed = torch.randint(0, engine.model.embed.shape[0], (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    for i in range(n):
+        nxt = int(torch.argmax(logits)) if feed == "greedy" else fed[i]
         logits = model.forward(torch.tensor([nxt]), state, pos, last_only=True)[-1]
         pos += 1
     t2 = time.perf_counter()
@@ -58,9 +68,22 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0) -
         "working_set_bytes": plan.working_set_bytes, "record_bytes": rec,
         "read_mode": "O_DIRECT" if cache.direct else "buffered + FADV_DONTNEED",
         "disk_bandwidth_gb_per_s": bw / 1e9, "disk_bandwidth_mode": "O_DIRECT" if direct else "buffered (O_DIRECT refused)",
-        "background_fill_bytes": cache.fill_bytes, "evictions": cache.stats.evictions,
+        "background_fill_bytes": cache.fill_bytes, "evictions": cache.stats.evictions, "feed": feed,
+        "routing": routing,
         "prefill": phase(c0, c1, t1 - t0, len(ids)), "decode": phase(c1, c2, t2 - t1, n),
     }
+
+
+def _uniform_router(model):
+    """A stand-in for model.route: top_k distinct experts per row, uniformly at random, equal weights."""
+    g = torch.Generator().manual_seed(0)
+    E, k = model.moe["num_experts"], model.top_k
+
+    def route(i, x):
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(x.shape[0])])
+        return torch.full(idx.shape, 1.0 / k), idx
+
+    return route
 
 
 def report_lines(r: dict) -> list[str]:
