@@ -81,15 +81,17 @@ def _oracle_gap_and_argmax(hf, ids):
     return top2[:, 0] - top2[:, 1], logits.argmax(-1)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe"])
-def test_q8_container_follows_the_oracle_except_at_near_ties(family, releases, tmp_path):
-    """Greedy continuation of the q8 container (experts and trunk) against transformers on the release's weights:
-    equal up to the oracle's first near-tie, and teacher-forced top-1 equal wherever the oracle is not tied.
-    (Kimi-Linear's random fixture is not held to this: its q8 KL is 9e-3, docs/LEARNED.md.)"""
+@pytest.mark.parametrize("family,trunk", [("qwen3_moe", "q8"), ("kimi_linear", "bf16")])
+def test_q8_container_follows_the_oracle_except_at_near_ties(family, trunk, releases, tmp_path):
+    """Greedy continuation of the q8 container against transformers on the release's weights: equal up to the
+    oracle's first near-tie, and teacher-forced top-1 equal wherever the oracle is not tied. Kimi-Linear's random
+    fixture keeps a bf16 trunk here: a q8 trunk moves its logits 10% at the first position already (its KDA layers'
+    small random q . k, docs/LEARNED.md §5c) and flips 6 of 26 clear positions; q8 experts flip none."""
     hf, src, _ = releases[family]
-    out = convert(src, tmp_path / "q8.waste", experts="q8", trunk="q8", progress=False)
+    out = convert(src, tmp_path / "q8.waste", experts="q8", trunk=trunk, progress=False)
     m = json.loads((out / "manifest.json").read_text())
-    assert m["experts"]["format"] == "q8" and m["trunk"]["format"] == "q8" and m["trunk"]["quantized"]
+    assert m["experts"]["format"] == "q8" and m["trunk"]["format"] == trunk
+    assert bool(m["trunk"]["quantized"]) == (trunk == "q8")
     prompt = torch.randint(3, 290, (8,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
