@@ -36,6 +36,7 @@ def test_kernel_equals_unpacked_matmul(name, shape):
     parts = fmt.pack(w)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in parts.items()} == fmt.part_specs(shape)
     d = fmt.unpack(parts, shape, torch.float32)
+    parts = fmt.prepare(parts, shape)          # linear() takes prepared parts (this torch's kernel layout)
     if name == "mxfp4":       # the numba unpacks against plain torch references, bit for bit
         from waste.quant.lowbit import mx_dequantize
         assert torch.equal(d, mx_dequantize(parts["blocks"], parts["scales"], *shape))
@@ -72,6 +73,28 @@ def test_nibble_layout_is_torchs_int4pack_operand_and_repacks_elsewhere(monkeypa
     y = fmt.linear(x, parts, (96, 256))
     monkeypatch.setattr(int4pack, "native", lambda: False)   # as on an AVX2 or ARM build: repack, same numbers
     assert torch.allclose(fmt.linear(x, fmt.prepare(parts, (96, 256)), (96, 256)), y, rtol=1e-5, atol=1e-6)
+
+
+def test_off_avx512_q4_records_are_repacked_once_per_fill(bundled_ref, monkeypatch):
+    """On a torch build whose int4 layout is not the stored one (AVX2, ARM: simulated here), the expert cache
+    repacks a q4 record when it fills a slot, not at every matmul, and the output is the native run's."""
+    from waste.quant.intq import Q4
+
+    root, _, ids, _, _ = bundled_ref
+    out = convert(BUNDLED, root / "repack.waste", experts="q4", trunk="bf16", progress=False)
+    seq = torch.tensor(ids[:24])
+    with waste.load(out, dtype="float32", preload=False) as eng:
+        want = eng.model.forward(seq, eng.model.new_state(), 0)
+        ws = eng.plan.working_set_bytes
+    calls = []
+    prepare = Q4.prepare
+    monkeypatch.setattr(int4pack, "native", lambda: False)
+    monkeypatch.setattr(Q4, "prepare", lambda self, parts, shape: calls.append(shape) or prepare(self, parts, shape))
+    with waste.load(out, dtype="float32", budget=2 * ws, preload=False) as eng:
+        got = eng.model.forward(seq, eng.model.new_state(), 0)
+        reads = eng.experts.stats.misses
+    assert torch.equal(got, want)
+    assert reads > 0 and len(calls) == 3 * reads        # gate, up and down of each record read, nothing per call
 
 
 def _oracle_gap_and_argmax(hf, ids):

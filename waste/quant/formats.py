@@ -31,8 +31,14 @@ class Format:
         return True
 
     def prepare(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        """Parts ready for linear(), e.g. repacked for this machine's kernel: a pure function of the stored parts."""
+        """Parts ready for linear(), e.g. repacked for this machine's kernel: a pure function of the stored parts.
+        linear() takes parts as this returns them; the trunk prepares at load, the expert cache as a record fills
+        its slot (runtime/experts.py prepare_record), never per call."""
         return parts
+
+    def needs_prepare(self) -> bool:
+        """Does prepare() change anything on this machine?"""
+        return False
 
     def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         """x [T, in] @ W.T for the matrix these parts hold; the result has x's dtype. Formats with a faster

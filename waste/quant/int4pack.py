@@ -8,8 +8,8 @@ multiple of 64, has nb rows (nb even) and is K x nb/2 bytes, byte j of column k 
 This is exactly the operand of torch's `_weight_int4pack_mm_for_cpu` on an AVX-512 build (the one this
 project runs on), so a record is multiplied straight from its cache slot with no repacking. On any other
 build (AVX2, ARM, a future torch) `native()` says so, and `to_native` repacks once: the trunk at load, an
-expert record each time it fills a cache slot (experts' `prepare` hook) — a pure function of the stored
-bytes, so outputs stay the same whatever the cache does.
+expert record in place each time it fills a cache slot (runtime/experts.py prepare_record), never per matmul —
+a pure function of the stored bytes, so outputs stay the same whatever the cache does.
 """
 from __future__ import annotations
 

@@ -106,6 +106,9 @@ class Q4(Format):
         sz = parts["sz"].float().transpose(0, 1)                                            # [N, K/g, 2]
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(N, K).to(dtype)
 
+    def needs_prepare(self) -> bool:
+        return not int4pack.native()
+
     def prepare(self, parts, shape):
         """Parts in the form linear() multiplies: the nibbles in this torch build's own layout."""
         N, K = shape
@@ -117,7 +120,5 @@ class Q4(Format):
         N, K = shape
         g = self._group(parts, shape)
         if not int4pack.kernel_ok(N, K, g) or x.shape[0] > self.dequant_rows:
-            return F.linear(x, self.unpack(parts, shape, x.dtype))
-        if not int4pack.native():
-            parts = self.prepare(parts, shape)
+            return F.linear(x, self.unpack(parts, shape, x.dtype))      # (prepare() leaves these parts as stored)
         return int4pack.int4_mm(x, parts["q"].view(N, K // 2), g, parts["sz"])

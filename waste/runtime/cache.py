@@ -23,7 +23,7 @@ from ..container import Container
 from ..errors import WasteError
 from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
-from .experts import ExpertStats, expert_swiglu, matrix_parts
+from .experts import ExpertStats, expert_swiglu, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
 
 
@@ -38,6 +38,7 @@ class ExpertCache:
         self.fmt = get_format(self.format)
         h, inter = cfg["hidden_size"], (cfg.get("moe") or {}).get("intermediate_size", 0)
         self.shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+        self.repack = self.fmt.needs_prepare()
         self.swiglu_limit = cfg.get("swiglu_limit")    # clamped SwiGLU (GLM-5.3): the experts' activation
         self.dtype, self.verify = dtype, verify
         self.n_records = sum(b.num_experts for b in self.banks.values())
@@ -106,7 +107,10 @@ class ExpertCache:
         return out
 
     def _read(self, key, slot) -> float:
-        return self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
+        dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
+        if self.repack:         # this torch's kernel wants another layout than the stored one (q4 off AVX-512)
+            prepare_record(self.layout.views(self.slot_tensor(slot)), self.fmt, self.shapes)
+        return dt
 
     # -- background fill ---------------------------------------------------------------------------
     def _fill(self) -> None:

@@ -37,6 +37,19 @@ def matrix_parts(views: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
     return {m: parts_of(views, m) for m in ("gate", "up", "down")}
 
 
+def prepare_record(views: dict[str, torch.Tensor], fmt, shapes: dict) -> None:
+    """Repack a record in place into the form the format's kernel takes on this machine (fmt.prepare), when that
+    differs from the stored bytes (q4 on a torch build whose int4 layout is not the stored one): once per fill of
+    a cache slot instead of once per matmul. The prepared parts must have the stored parts' sizes."""
+    for m, p in matrix_parts(views).items():
+        for k, t in fmt.prepare(p, shapes[m]).items():
+            if t is not p[k]:
+                if t.dtype != p[k].dtype or t.numel() != p[k].numel():
+                    raise RuntimeError(f"{fmt.name}: this torch's kernel layout for {m}.{k} ({t.dtype}, {t.numel()}) "
+                                       f"differs in size from the stored one; it cannot be repacked in place")
+                p[k].copy_(t.reshape(p[k].shape))
+
+
 def expert_swiglu(x: torch.Tensor, views: dict[str, torch.Tensor], fmt, shapes: dict,
                   limit: float | None = None, parts: dict | None = None) -> torch.Tensor:
     """down(silu(gate x) * up x) straight from a record's stored parts, through the format's own matmul.
