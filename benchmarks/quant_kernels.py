@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from waste.container.bank import RecordLayout  # noqa: E402
 from waste.quant.formats import get_format  # noqa: E402
-from waste.runtime.experts import expert_swiglu, prepare_record  # noqa: E402
+from waste.runtime.experts import expert_swiglu, matrix_parts, prepare_record  # noqa: E402
 
 SHAPES = {"qwen3": (2048, 768), "kimi": (2304, 1024), "k3": (3584, 3072)}     # hidden (or latent), intermediate
 FORMATS = ["bf16", "q8", "q4g32", "q4", "q4g128", "vq3", "mxfp4"]
@@ -66,7 +66,7 @@ def bench(fmt, h, inter, T, passes, gen, dtype=torch.bfloat16):
     layout, rec0, shapes = random_record(fmt, h, inter, gen)
     n = max(4, min(48, COLD_BYTES // layout.record_bytes + 1))
     recs = [rec0] + [random_record(fmt, h, inter, gen)[1] for _ in range(n - 1)]
-    views = [layout.views(r) for r in recs]
+    views = [matrix_parts(layout.views(r)) for r in recs]
     for v in views:                  # as the cache does when a record fills a slot (a no-op on AVX-512 builds)
         prepare_record(v, fmt, shapes)
     x = torch.randn(T, h, generator=gen).to(dtype)

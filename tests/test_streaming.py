@@ -129,3 +129,19 @@ def test_plan_and_bench_cli(releases):
     b = json.loads(p.stdout)
     assert b["decode"]["tokens"] == 4 and b["disk_bandwidth_gb_per_s"] > 0
     assert b["decode"]["bytes_read"] == b["decode"]["misses"] * b["record_bytes"]
+
+
+def test_bench_with_random_tokens_and_uniform_routing(releases):
+    """--feed random and --routing uniform: the decode steps see seeded random tokens and random experts (every
+    token still gets top_k distinct ones), and the model's own router is back afterwards."""
+    from waste.runtime.bench import bench
+
+    with waste.load(releases[FAMILY][2], dtype="float32", preload=False) as eng:
+        m = eng.model
+        seen = []
+        m.route_trace = seen
+        r = bench(eng, n=6, prompt_len=8, bw_seconds=0.05, feed="random", routing="uniform")
+        assert r["feed"] == "random" and r["routing"] == "uniform" and "route" not in vars(m)
+        assert seen and all(len(set(row.tolist())) == m.top_k for _, idx in seen for row in idx)
+        lookups = r["decode"]["hits"] + r["decode"]["misses"]
+        assert lookups == 6 * m.top_k * len(eng.container.banks)

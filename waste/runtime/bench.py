@@ -34,18 +34,21 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         return s.hits, s.misses, s.bytes_read, s.read_seconds
 
     if routing == "uniform" and getattr(model, "moe", None):
-        model.route = _uniform_router(model)
-    c0 = counters()
-    t0 = time.perf_counter()
-    logits = model.forward(torch.tensor(ids), state, 0, last_only=True)[-1]
-    t1 = time.perf_counter()
-    c1 = counters()
-    pos = len(ids)
-    fed = torch.randint(0, engine.model.embed.shape[0], (n,), generator=torch.Generator().manual_seed(0)).tolist()
-    for i in range(n):
-        nxt = int(torch.argmax(logits)) if feed == "greedy" else fed[i]
-        logits = model.forward(torch.tensor([nxt]), state, pos, last_only=True)[-1]
-        pos += 1
+        model.route = _uniform_router(model)          # an instance attribute over the method, removed below
+    try:
+        c0 = counters()
+        t0 = time.perf_counter()
+        logits = model.forward(torch.tensor(ids), state, 0, last_only=True)[-1]
+        t1 = time.perf_counter()
+        c1 = counters()
+        pos = len(ids)
+        fed = torch.randint(0, model.embed.shape[0], (n,), generator=torch.Generator().manual_seed(0)).tolist()
+        for i in range(n):
+            nxt = int(torch.argmax(logits)) if feed == "greedy" else fed[i]
+            logits = model.forward(torch.tensor([nxt]), state, pos, last_only=True)[-1]
+            pos += 1
+    finally:
+        model.__dict__.pop("route", None)
     t2 = time.perf_counter()
     c2 = counters()
     banks = list(engine.container.banks.values())

@@ -109,7 +109,7 @@ class ExpertCache:
     def _read(self, key, slot) -> float:
         dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
         if self.repack:         # this torch's kernel wants another layout than the stored one (q4 off AVX-512)
-            prepare_record(self.layout.views(self.slot_tensor(slot)), self.fmt, self.shapes)
+            prepare_record(self._slot_parts(slot), self.fmt, self.shapes)
         return dt
 
     # -- background fill ---------------------------------------------------------------------------
@@ -226,8 +226,8 @@ class ExpertCache:
 
     def _run_expert(self, layer, e, x, idx, weights):
         rows, cols = (idx == e).nonzero(as_tuple=True)
-        y = expert_swiglu(x[rows], None, self.fmt, self.shapes, self.swiglu_limit,
-                          self._slot_parts(self.slot_of[(layer, e)])) * weights[rows, cols, None]
+        y = expert_swiglu(x[rows], self._slot_parts(self.slot_of[(layer, e)]), self.fmt, self.shapes,
+                          self.swiglu_limit) * weights[rows, cols, None]
         return rows, y.to(x.dtype)
 
     # -- lifecycle ---------------------------------------------------------------------------------

@@ -37,11 +37,11 @@ def matrix_parts(views: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
     return {m: parts_of(views, m) for m in ("gate", "up", "down")}
 
 
-def prepare_record(views: dict[str, torch.Tensor], fmt, shapes: dict) -> None:
-    """Repack a record in place into the form the format's kernel takes on this machine (fmt.prepare), when that
-    differs from the stored bytes (q4 on a torch build whose int4 layout is not the stored one): once per fill of
-    a cache slot instead of once per matmul. The prepared parts must have the stored parts' sizes."""
-    for m, p in matrix_parts(views).items():
+def prepare_record(parts: dict[str, dict[str, torch.Tensor]], fmt, shapes: dict) -> None:
+    """Repack a record's matrices (matrix_parts) in place into the form the format's kernel takes on this machine
+    (fmt.prepare), when that differs from the stored bytes (q4 on a torch build whose int4 layout is not the
+    stored one): once per fill of a cache slot instead of once per matmul. Sizes must not change."""
+    for m, p in parts.items():
         for k, t in fmt.prepare(p, shapes[m]).items():
             if t is not p[k]:
                 if t.dtype != p[k].dtype or t.numel() != p[k].numel():
@@ -50,15 +50,14 @@ def prepare_record(views: dict[str, torch.Tensor], fmt, shapes: dict) -> None:
                 p[k].copy_(t.reshape(p[k].shape))
 
 
-def expert_swiglu(x: torch.Tensor, views: dict[str, torch.Tensor], fmt, shapes: dict,
-                  limit: float | None = None, parts: dict | None = None) -> torch.Tensor:
-    """down(silu(gate x) * up x) straight from a record's stored parts, through the format's own matmul.
-    limit: the config's `swiglu_limit` (clamped SwiGLU, layers/mlp.py swiglu_act); None for the plain form.
-    parts: matrix_parts(views), when the caller keeps it (the cache does, per slot)."""
-    p = parts or matrix_parts(views)
+def expert_swiglu(x: torch.Tensor, parts: dict[str, dict[str, torch.Tensor]], fmt, shapes: dict,
+                  limit: float | None = None) -> torch.Tensor:
+    """down(silu(gate x) * up x) straight from a record's stored parts (matrix_parts of its views), through the
+    format's own matmul. limit: the config's `swiglu_limit` (clamped SwiGLU, layers/mlp.py swiglu_act); None for
+    the plain form."""
     dt = x.dtype
     if fmt.kernel_dtype is not None and dt != fmt.kernel_dtype:
         x = x.to(fmt.kernel_dtype)     # once per expert, not twice per matrix (the format would cast anyway)
-    g = fmt.linear(x, p["gate"], shapes["gate"])
-    u = fmt.linear(x, p["up"], shapes["up"])
-    return fmt.linear(swiglu_act(g, u, limit), p["down"], shapes["down"]).to(dt)
+    g = fmt.linear(x, parts["gate"], shapes["gate"])
+    u = fmt.linear(x, parts["up"], shapes["up"])
+    return fmt.linear(swiglu_act(g, u, limit), parts["down"], shapes["down"]).to(dt)
