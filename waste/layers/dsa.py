@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .mla import MLACache, MLAConfig, _attend_absorbed, _attend_naive, _linear
-from .norm import rms_norm
+from .mla import MLACache, MLAConfig, _attend_absorbed, _attend_naive, _linear, mla_project
 
 
 @dataclass(frozen=True)
@@ -185,19 +184,8 @@ def dsa_forward(
         (out [T, hidden], the extended cache, the selection used).
     """
     T, H = x.shape[0], mla_cfg.num_heads
-    nope, r = mla_cfg.qk_nope_head_dim, mla_cfg.qk_rope_head_dim
     P = len(cache)
-
-    c_q = rms_norm(_linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], mla_cfg.eps).to(x.dtype)
-    q = _linear(c_q, w["q_b_proj.weight"]).view(T, H, nope + r)
-    q_nope, q_pe = q[..., :nope], q[..., nope:]
-    kva = _linear(x, w["kv_a_proj_with_mqa.weight"])
-    c_kv = rms_norm(kva[:, : mla_cfg.kv_lora_rank], w["kv_a_layernorm.weight"], mla_cfg.eps).to(x.dtype)
-    k_pe = kva[:, mla_cfg.kv_lora_rank:]
-    if mla_cfg.rope is not None:
-        if positions is None:
-            positions = torch.arange(P, P + T, device=x.device)
-        q_pe, k_pe = mla_cfg.rope(q_pe, k_pe, positions)
+    q_nope, q_pe, c_kv, k_pe, c_q = mla_project(x, w, mla_cfg, P, positions)
     mla = cache.mla.append(c_kv, k_pe)
 
     index = cache.index

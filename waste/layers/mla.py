@@ -100,6 +100,30 @@ def _attend_absorbed(q_nope, q_pe, c_kv, k_pe, w_kvb, mask, cfg: MLAConfig) -> T
     return torch.einsum("thr,hvr->thv", torch.einsum("hts,sr->thr", p, c_kv), w_uv)
 
 
+def mla_project(x: Tensor, w: dict[str, Tensor], cfg: MLAConfig, P: int, positions: Tensor | None = None):
+    """The projections of T new tokens at positions P.. (or `positions`): q_nope [T, H, nope], q_pe [T, H, r]
+    (rotated), the normed latent c_kv [T, R], k_pe [T, r] (rotated), and the normed q latent c_q (None without
+    q-LoRA; DSA's indexer reads it)."""
+    T, H = x.shape[0], cfg.num_heads
+    nope, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    c_q = None
+    if cfg.q_lora_rank is None:
+        q = _linear(x, w["q_proj.weight"])
+    else:
+        c_q = rms_norm(_linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], cfg.eps).to(x.dtype)
+        q = _linear(c_q, w["q_b_proj.weight"])
+    q = q.view(T, H, nope + r)
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    kva = _linear(x, w["kv_a_proj_with_mqa.weight"])
+    c_kv = rms_norm(kva[:, : cfg.kv_lora_rank], w["kv_a_layernorm.weight"], cfg.eps).to(x.dtype)
+    k_pe = kva[:, cfg.kv_lora_rank :]
+    if cfg.rope is not None:
+        if positions is None:
+            positions = torch.arange(P, P + T, device=x.device)
+        q_pe, k_pe = cfg.rope(q_pe, k_pe, positions)
+    return q_nope, q_pe, c_kv, k_pe, c_q
+
+
 def mla_forward(
     x: Tensor,
     w: dict[str, Tensor],
@@ -122,27 +146,10 @@ def mla_forward(
         (out [T, hidden], the cache extended by these tokens).
     """
     T, H = x.shape[0], cfg.num_heads
-    nope, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     if cache is None:
         cache = MLACache.empty(cfg, x.dtype, x.device)
     P = len(cache)
-
-    if cfg.q_lora_rank is None:
-        q = _linear(x, w["q_proj.weight"])
-    else:
-        c_q = rms_norm(_linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], cfg.eps).to(x.dtype)
-        q = _linear(c_q, w["q_b_proj.weight"])
-    q = q.view(T, H, nope + r)
-    q_nope, q_pe = q[..., :nope], q[..., nope:]
-
-    kva = _linear(x, w["kv_a_proj_with_mqa.weight"])
-    c_kv = rms_norm(kva[:, : cfg.kv_lora_rank], w["kv_a_layernorm.weight"], cfg.eps).to(x.dtype)
-    k_pe = kva[:, cfg.kv_lora_rank :]
-    if cfg.rope is not None:
-        if positions is None:
-            positions = torch.arange(P, P + T, device=x.device)
-        q_pe, k_pe = cfg.rope(q_pe, k_pe, positions)
-
+    q_nope, q_pe, c_kv, k_pe, _ = mla_project(x, w, cfg, P, positions)
     cache = cache.append(c_kv, k_pe)
     # query t sits at cache position P + t and sees keys 0 .. P + t
     mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).triu(P + 1)
