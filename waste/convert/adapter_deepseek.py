@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from ..errors import WasteError
-from .adapters import EXPERT_MATRICES, Adapter, _first
+from .adapters import Adapter, _first, sigmoid_moe
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -73,12 +73,8 @@ class DeepseekV3Adapter(Adapter):
                       "v_head_dim": hf["v_head_dim"], "rope": _rope(hf), "norm_eps": 1e-6}
         n_shared = hf.get("n_shared_experts", 0) or 0
         inter = hf.get("moe_intermediate_size")
-        cfg["moe"] = {"num_experts": n_exp, "top_k": hf.get("num_experts_per_tok"), "intermediate_size": inter,
-                      "scoring": "sigmoid", "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-                      "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-                      "num_shared_experts": n_shared, "shared_intermediate_size": (inter or 0) * n_shared,
-                      "n_group": hf.get("n_group") or 1, "topk_group": hf.get("topk_group") or 1,
-                      "correction_bias": True}
+        cfg["moe"] = sigmoid_moe(n_exp, hf.get("num_experts_per_tok"), inter, hf.get("norm_topk_prob", True),
+                                 hf.get("routed_scaling_factor", 1.0), n_shared, hf.get("n_group"), hf.get("topk_group"))
         cfg["mtp_layers"] = _first(hf, "num_nextn_predict_layers", "num_mtp_layers", default=0)
         return cfg
 
@@ -90,10 +86,5 @@ class DeepseekV3Adapter(Adapter):
             a = f"{p}.self_attn"
             names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
             names += self._mla_names(a)
-            if l["mlp"] == "moe":
-                names += [f"{p}.mlp.gate.weight", f"{p}.mlp.gate.e_score_correction_bias"]
-                if c["moe"]["num_shared_experts"]:
-                    names += [f"{p}.mlp.shared_experts.{x}_proj.weight" for x in EXPERT_MATRICES]
-            else:
-                names += self._dense_mlp(p)
+            names += self._sigmoid_mlp_names(p, l)
         return names

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from ..errors import WasteError
-from .adapters import EXPERT_MATRICES, Adapter, _first
+from .adapters import Adapter, _first, sigmoid_moe
 
 _INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
             "index_kpool_compress_ape", "index_kpool_compress_gate")
@@ -150,13 +150,8 @@ class Glm5NextAdapter(Adapter):
         n_exp = _first(hf, "n_routed_experts", "num_local_experts", default=288)
         n_shared = hf.get("n_shared_experts", 1) or 0
         moe_inter = hf.get("moe_intermediate_size", 2048)
-        cfg["moe"] = {"num_experts": n_exp, "top_k": hf.get("num_experts_per_tok", 8),
-                      "intermediate_size": moe_inter, "scoring": "sigmoid",
-                      "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-                      "routed_scaling_factor": float(hf.get("routed_scaling_factor", 2.5)),
-                      "num_shared_experts": n_shared, "shared_intermediate_size": moe_inter * n_shared,
-                      "n_group": hf.get("n_group", 1) or 1, "topk_group": hf.get("topk_group", 1) or 1,
-                      "correction_bias": True}
+        cfg["moe"] = sigmoid_moe(n_exp, hf.get("num_experts_per_tok", 8), moe_inter, hf.get("norm_topk_prob", True),
+                                 hf.get("routed_scaling_factor", 2.5), n_shared, hf.get("n_group"), hf.get("topk_group"))
         return cfg
 
     def trunk_names(self):
@@ -173,10 +168,5 @@ class Glm5NextAdapter(Adapter):
                 names += self._mla_names(a)
                 if c["dsa"]["indexer_types"][i] == "full":
                     names += [f"{a}.indexer.{x}" for x in _INDEXER]
-            if l["mlp"] == "moe":
-                names += [f"{p}.mlp.gate.weight", f"{p}.mlp.gate.e_score_correction_bias"]
-                if c["moe"]["num_shared_experts"]:
-                    names += [f"{p}.mlp.shared_experts.{x}_proj.weight" for x in EXPERT_MATRICES]
-            else:
-                names += self._dense_mlp(p)
+            names += self._sigmoid_mlp_names(p, l)
         return names

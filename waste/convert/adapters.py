@@ -20,6 +20,16 @@ def _first(cfg: dict, *keys, default=None):
     return default
 
 
+def sigmoid_moe(n_exp: int, top_k: int, inter: int | None, norm_topk_prob, scaling, n_shared: int, n_group,
+                topk_group) -> dict:
+    """The manifest's `moe` entry for a sigmoid router with a correction bias and grouped top-k (Kimi-Linear,
+    DeepSeek-V3, GLM-5.3): each family reads its own config keys and defaults, the entry is the same."""
+    return {"num_experts": n_exp, "top_k": top_k, "intermediate_size": inter, "scoring": "sigmoid",
+            "norm_topk_prob": bool(norm_topk_prob), "routed_scaling_factor": float(scaling),
+            "num_shared_experts": n_shared, "shared_intermediate_size": (inter or 0) * n_shared,
+            "n_group": n_group or 1, "topk_group": topk_group or 1, "correction_bias": True}
+
+
 def _eos_list(cfg: dict) -> list[int]:
     eos = cfg.get("eos_token_id")
     if eos is None:
@@ -106,6 +116,17 @@ class Adapter:
 
     def _dense_mlp(self, p: str) -> list[str]:
         return [f"{p}.mlp.{m}_proj.weight" for m in EXPERT_MATRICES]
+
+    def _sigmoid_mlp_names(self, p: str, layer: dict, block: str = "mlp") -> list[str]:
+        """Layer p's MLP trunk tensors under a sigmoid router with a correction bias: the router and the shared
+        experts of a MoE layer under `block`, or a dense MLP."""
+        if layer["mlp"] != "moe":
+            return self._dense_mlp(p)
+        m = f"{p}.{block}"
+        names = [f"{m}.gate.weight", f"{m}.gate.e_score_correction_bias"]
+        if self.config["moe"]["num_shared_experts"]:
+            names += [f"{m}.shared_experts.{x}_proj.weight" for x in EXPERT_MATRICES]
+        return names
 
     def _edges(self) -> list[str]:
         names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -199,13 +220,11 @@ class KimiLinearAdapter(Adapter):
         act = hf.get("moe_router_activation_func", "sigmoid")
         if act != "sigmoid":
             raise WasteError(f"kimi_linear with moe_router_activation_func={act!r} is not supported (only sigmoid)")
-        cfg["moe"] = {"num_experts": n_exp, "top_k": _first(hf, "num_experts_per_token", "num_experts_per_tok"),
-                      "intermediate_size": hf["moe_intermediate_size"], "scoring": "sigmoid",
-                      "norm_topk_prob": bool(_first(hf, "moe_renormalize", "norm_topk_prob", default=True)),
-                      "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-                      "num_shared_experts": n_shared, "shared_intermediate_size": hf["moe_intermediate_size"] * n_shared,
-                      "n_group": _first(hf, "num_expert_group", "n_group", default=1),
-                      "topk_group": _first(hf, "topk_group", default=1), "correction_bias": True}
+        cfg["moe"] = sigmoid_moe(n_exp, _first(hf, "num_experts_per_token", "num_experts_per_tok"),
+                                 hf["moe_intermediate_size"],
+                                 _first(hf, "moe_renormalize", "norm_topk_prob", default=True),
+                                 hf.get("routed_scaling_factor", 1.0), n_shared,
+                                 _first(hf, "num_expert_group", "n_group", default=1), _first(hf, "topk_group", default=1))
         return cfg
 
     def trunk_names(self):
@@ -216,13 +235,7 @@ class KimiLinearAdapter(Adapter):
             a = f"{p}.self_attn"
             names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
             names += self._kda_names(a) if l["attn"] == "kda" else self._mla_names(a)
-            if l["mlp"] == "moe":
-                m = f"{p}.block_sparse_moe"
-                names += [f"{m}.gate.weight", f"{m}.gate.e_score_correction_bias"]
-                if c["moe"]["num_shared_experts"]:
-                    names += [f"{m}.shared_experts.{x}_proj.weight" for x in EXPERT_MATRICES]
-            else:
-                names += self._dense_mlp(p)
+            names += self._sigmoid_mlp_names(p, l, "block_sparse_moe")
         return names
 
 
