@@ -77,3 +77,31 @@ def save_release(model, dst: Path) -> Path:
     model.save_pretrained(dst)
     write_tokenizer(dst, TOKENIZER_TEXT, vocab_size=300)
     return dst
+
+
+def split_and_whole(model, ids: torch.Tensor, n_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of ids as a prefill of all but the last n_decode tokens followed by one decode step each, and as one
+    forward: equal when the cached state carries everything."""
+    full = model.forward(ids, model.new_state(), 0)
+    st, split = model.new_state(), len(ids) - n_decode
+    parts = [model.forward(ids[:split], st, 0)] + [model.forward(ids[t:t + 1], st, t) for t in range(split, len(ids))]
+    return torch.cat(parts), full
+
+
+def greedy_pair(hf, engine, ids: torch.Tensor, n: int = 32) -> tuple[list[int], list[int]]:
+    """transformers' and the engine's greedy continuations of ids, n tokens each, neither stopping at an eos."""
+    from waste.quant.quality import greedy
+
+    with torch.no_grad():
+        ref = hf.generate(ids[None], max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+    return ref, greedy(engine, ids.tolist(), n)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def prompt(n: int, seed: int = 1) -> torch.Tensor:
+    """n seeded token ids inside every fixture's vocabulary."""
+    return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed))

@@ -3,17 +3,10 @@ import pytest
 import torch
 
 import waste
+from fixtures import greedy_pair, prompt, rel_l2, split_and_whole
 
 FAMILIES = ["qwen3_moe", "kimi_linear"]
 LENGTH = {"qwen3_moe": 24, "kimi_linear": 80}   # 80 crosses KDA's 64-token chunk
-
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def prompt(n, seed=1):
-    return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def hf_routes(model, ids):
@@ -57,26 +50,13 @@ def test_logits_and_routing_match_transformers(family, releases, engines):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_then_decode_equals_one_forward(family, engines):
     m = engines[family].model
-    ids = prompt(LENGTH[family], seed=2)
-    full = m.forward(ids, m.new_state(), 0)
-    split = len(ids) - 6
-    st = m.new_state()
-    parts = [m.forward(ids[:split], st, 0)] + [m.forward(ids[t:t + 1], st, t) for t in range(split, len(ids))]
-    assert rel_l2(torch.cat(parts), full) < 1e-5
-    assert torch.equal(torch.cat(parts).argmax(-1), full.argmax(-1))
+    split, full = split_and_whole(m, prompt(LENGTH[family], seed=2), 6)
+    assert rel_l2(split, full) < 1e-5
+    assert torch.equal(split.argmax(-1), full.argmax(-1))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_continuation_matches_transformers(family, releases, engines):
     hf, eng = releases[family][0], engines[family]
-    ids = prompt(8, seed=3)
-    with torch.no_grad():
-        ref = hf.generate(ids[None], max_new_tokens=32, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(ids):].tolist()
-    saved, eng.eos_ids = eng.eos_ids, set()   # compare all 32 tokens: transformers was told no eos
-    try:
-        g = eng.generate(ids.tolist(), max_tokens=32)
-    finally:
-        eng.eos_ids = saved
-    assert g.token_ids == ref
-    assert len(g.token_ids) == 32
+    ref, got = greedy_pair(hf, eng, prompt(8, seed=3))
+    assert got == ref and len(ref) == 32

@@ -15,7 +15,7 @@ sys.modules.setdefault("fla", None)
 import pytest
 import torch
 import torch.nn.functional as F
-from fixtures import _randomise, save_release
+from fixtures import _randomise, greedy_pair, prompt, rel_l2, save_release, split_and_whole
 
 import waste
 from waste.convert.convert import convert
@@ -52,14 +52,6 @@ def glm5_model(seed=0, **over):
                                                       experts_implementation="eager").float().eval()
     _randomise(m, seed)
     return m
-
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def prompt(n, seed=1):
-    return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def with_topk(container, dst, topk):
@@ -158,26 +150,15 @@ def test_dense_logits_and_routing_match_transformers(glm):
 @pytest.mark.parametrize("which", ["eng", "eng_sparse"])
 def test_prefill_then_decode_equals_one_forward(glm, which):
     m = glm[which].model
-    ids = prompt(40, seed=2)               # sparse container: queries past 12 tokens select 2 of up to 9 pools
-    full = m.forward(ids, m.new_state(), 0)
-    st = m.new_state()
-    split = len(ids) - 8
-    parts = [m.forward(ids[:split], st, 0)] + [m.forward(ids[t:t + 1], st, t) for t in range(split, len(ids))]
-    assert rel_l2(torch.cat(parts), full) < 1e-5
-    assert torch.equal(torch.cat(parts).argmax(-1), full.argmax(-1))
+    # sparse container: queries past 12 tokens select 2 of up to 9 pools
+    split, full = split_and_whole(m, prompt(40, seed=2), 8)
+    assert rel_l2(split, full) < 1e-5
+    assert torch.equal(split.argmax(-1), full.argmax(-1))
 
 
 def test_greedy_continuation_matches_transformers(glm):
-    eng, ids = glm["eng"], prompt(8, seed=3)
-    with torch.no_grad():
-        ref = glm["hf"].generate(ids[None], max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(ids):].tolist()
-    saved, eng.eos_ids = eng.eos_ids, set()
-    try:
-        g = eng.generate(ids.tolist(), max_tokens=32)
-    finally:
-        eng.eos_ids = saved
-    assert g.token_ids == ref and len(ref) == 32
+    ref, got = greedy_pair(glm["hf"], glm["eng"], prompt(8, seed=3))
+    assert got == ref and len(ref) == 32
 
 
 # -- sparse regime --------------------------------------------------------------------------------------------
