@@ -1,5 +1,5 @@
 """Speed of one routed expert (gate, up, down + SwiGLU) in every storage format, through the same call the
-expert cache makes (runtime/experts.py expert_swiglu on a record's parts), at T = 1 (decode) and T = 64
+expert cache makes (layers/moe.py expert_rows on a record's parts), at T = 1 (decode) and T = 64
 (prefill), for the expert shapes of Qwen3-30B-A3B, Kimi-Linear-48B and Kimi K3 (latent 3584 -> 3072).
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/quant_kernels.py [--shapes qwen3,kimi,k3] [--formats ...] [--passes 5]
@@ -28,7 +28,8 @@ import torch  # noqa: E402
 
 from waste.container.bank import RecordLayout  # noqa: E402
 from waste.quant.formats import get_format  # noqa: E402
-from waste.runtime.experts import expert_swiglu, matrix_parts, prepare_record  # noqa: E402
+from waste.layers.moe import Bank, expert_rows  # noqa: E402
+from waste.runtime.experts import matrix_parts, prepare_record  # noqa: E402
 
 SHAPES = {"qwen3": (2048, 768), "kimi": (2304, 1024), "k3": (3584, 3072)}     # hidden (or latent), intermediate
 FORMATS = ["bf16", "q8", "q4g32", "q4", "q4g128", "vq3", "mxfp4"]
@@ -71,13 +72,14 @@ def bench(fmt, h, inter, T, passes, gen, dtype=torch.bfloat16):
         prepare_record(v, fmt, shapes)
     x = torch.randn(T, h, generator=gen).to(dtype)
     for v in views[:2]:
-        expert_swiglu(x, v, fmt, shapes)                 # compile / warm
+        bank = Bank({}, shapes, fmt)
+        expert_rows(x, v, bank)                          # compile / warm
     meds = []
     for _ in range(passes):
         times = []
         for v in views:
             t = time.perf_counter()
-            expert_swiglu(x, v, fmt, shapes)
+            expert_rows(x, v, bank)
             times.append(time.perf_counter() - t)
         meds.append(statistics.median(times))
     return layout.payload_bytes, meds

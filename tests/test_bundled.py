@@ -64,3 +64,21 @@ def test_greedy_continuation_is_golden(bundled):
     if os.environ.get("WASTE_REGEN_GOLDEN"):
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text()
+
+
+# the torch operators one decode step of the bundled model dispatches (waste bench --profile counts the same way);
+# docs/LEARNED.md §7c: 935 before the compute-core rewrite. Lower it when the code does better; never raise it
+# without a measurement that says the extra operators pay.
+DECODE_OPS = 505
+
+
+def test_decode_step_operator_count(bundled):
+    from waste.timing import count_ops
+
+    m = bundled.model
+    ids = torch.tensor(bundled.encode(PROMPT))
+    state = m.new_state()
+    m.forward(ids, state, 0)
+    step = lambda: m.forward(ids[-1:], state, len(ids), last_only=True)   # noqa: E731
+    n, by = count_ops(step)
+    assert 0 < n <= DECODE_OPS, by

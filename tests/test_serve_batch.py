@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import waste
+from waste.layers.moe import routed_experts
 from waste.engine import Decoding, Generation
 from waste.runtime.sampling import SamplingParams
 from waste.serve.scheduler import Done, Job, QueueFull, Scheduler, batch_limit
@@ -21,9 +22,22 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "kimi_linear"])
-def eng(request, releases):
-    e = waste.load(releases[request.param][2], dtype="float32", preload=False)
+def _glm5_container(root):
+    """GLM-5.3: its mHC streams run through the shared step's block hooks, so it batches like every family."""
+    from fixtures import save_release
+    from test_oracle_glm5 import glm5_model
+
+    from waste.convert.convert import convert
+
+    return convert(save_release(glm5_model(), root / "src"), root / "glm5.waste", experts="bf16", trunk="bf16",
+                   progress=False)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "kimi_linear", "glm5_next"])
+def eng(request, releases, tmp_path_factory):
+    path = (_glm5_container(tmp_path_factory.mktemp("glm5")) if request.param == "glm5_next"
+            else releases[request.param][2])
+    e = waste.load(path, dtype="float32", preload=False)
     e.eos_ids = set()             # every request runs to its max_tokens
     yield e
     e.close()
@@ -46,7 +60,7 @@ def _drain(events, jobs):
 PROMPTS = [list(range(5, 17)), list(range(40, 47)), [7, 3, 9, 200, 11, 13, 250, 17, 19, 23, 29, 31, 37, 41, 43]]
 
 
-def test_forward_batch_is_bit_identical_to_forward(eng):
+def test_step_batch_is_bit_identical_to_forward(eng):
     m = eng.model
 
     def alone(p, n=6):
@@ -60,10 +74,10 @@ def test_forward_batch_is_bit_identical_to_forward(eng):
 
     ref = [alone(p) for p in PROMPTS]
     states = [m.new_state() for _ in PROMPTS]
-    outs = [[lg] for lg in m.forward_batch([(torch.tensor(p), s, 0) for p, s in zip(PROMPTS, states)])]
+    outs = [[lg] for lg in m.step([(torch.tensor(p), s, 0) for p, s in zip(PROMPTS, states)])]
     for k in range(6):
         items = [(torch.tensor([int(o[-1][-1].argmax())]), s, len(p) + k) for o, s, p in zip(outs, states, PROMPTS)]
-        for o, lg in zip(outs, m.forward_batch(items)):
+        for o, lg in zip(outs, m.step(items)):
             o.append(lg)
     for r, o in zip(ref, outs):
         assert all(torch.equal(a, b) for a, b in zip(r, o))
@@ -103,21 +117,30 @@ def test_scheduler_alone_or_batched_gives_the_same_tokens_and_logits(eng):
         assert eng.generate(prompt, max_tokens=n, **k).token_ids == job.decoding.token_ids
 
 
+def _routed(m, cache, layer, calls):
+    """The routed experts of each call [(x, idx, weights)] through the store's residency and layers/moe.py."""
+    outs = None
+    for slots, complete in cache.resident(layer, [idx for _, idx, _ in calls]):
+        part = [routed_experts(x, s, w, m.bank, m.kernel, complete) for (x, _, w), s in zip(calls, slots)]
+        outs = part if outs is None else [a + b for a, b in zip(outs, part)]
+    return outs
+
+
 def test_one_read_serves_every_request_routed_to_an_expert(releases):
-    """apply_many on a cold cache: each expert of the union is read once, however many calls route to it; each
-    call's output equals apply() on it alone."""
+    """One residency call on a cold cache: each expert of the union is read once, however many sequences route to
+    it; each sequence's output equals its output alone."""
     with waste.load(releases["qwen3_moe"][2], dtype="float32", preload=False) as e:
-        cache, layer = e.experts, next(iter(e.experts.banks))
+        cache, layer, m = e.experts, next(iter(e.experts.banks)), e.model
         g = torch.Generator().manual_seed(0)
         h = e.model.cfg["hidden_size"]
         calls = [(torch.randn(1, h, generator=g), torch.tensor([[0, 3]]), torch.tensor([[0.6, 0.4]])),
                  (torch.randn(1, h, generator=g), torch.tensor([[3, 5]]), torch.tensor([[0.7, 0.3]])),
                  (torch.randn(2, h, generator=g), torch.tensor([[5, 0], [3, 6]]), torch.tensor([[0.5, 0.5], [0.9, 0.1]]))]
-        outs = cache.apply_many(layer, calls)
+        outs = _routed(m, cache, layer, calls)
         st = cache.stats
         assert (st.misses, st.hits, st.bytes_read) == (4, 0, 4 * cache.record_bytes)   # experts 0, 3, 5, 6
-        for (x, idx, w), out in zip(calls, outs):
-            assert torch.equal(out, cache.apply(layer, x, idx, w))
+        for call, out in zip(calls, outs):
+            assert torch.equal(out, _routed(m, cache, layer, [call])[0])
         assert cache.stats.misses == 4                                                   # all hits now
 
 

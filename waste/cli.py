@@ -109,7 +109,7 @@ def cmd_bench(a):
 
     eng = _load(a, a.model)
     try:
-        r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing)
+        r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing, profile=a.profile)
     finally:
         eng.close()
     print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--routing", choices=["model", "uniform"], default="model",
                    help="the router's choice (default) or top_k experts uniformly at random per token: the cache's "
                         "worst case for a balanced model")
+    b.add_argument("--profile", action="store_true",
+                   help="per-token time in buckets (attention, router, expert compute, expert wait, trunk matvec, "
+                        "sampling, other) and the torch operators of one decode step")
     _engine_args(b)
     b.set_defaults(fn=cmd_bench)
 

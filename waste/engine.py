@@ -166,7 +166,7 @@ class Generation:
         model, stats0 = e.model, e.experts.stats.snapshot()
         state = model.new_state()
         t0 = time.perf_counter()
-        logits = model.forward(torch.tensor(self.prompt_ids), state, 0, last_only=True)[-1]
+        logits = model.step([(torch.tensor(self.prompt_ids), state, 0)])[0][-1]
         self.stats.prefill_seconds = time.perf_counter() - t0
         pos = len(self.prompt_ids)
         t1 = time.perf_counter()
@@ -177,7 +177,7 @@ class Generation:
                 yield tok
                 if tok in self.stop_ids or n + 1 == self.max_tokens:
                     break
-                logits = model.forward(torch.tensor([tok]), state, pos, last_only=True)[-1]
+                logits = model.step([(torch.tensor([tok]), state, pos)])[0][-1]
                 pos += 1
         finally:
             self.stats.decode_seconds = time.perf_counter() - t1
@@ -241,7 +241,7 @@ class Engine:
             experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
                                   direct=direct)
             f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()
-            model = build_model(container.family, container.config, trunk, experts, dt, f32)
+            model = build_model(container.family, container.config, trunk, experts, dt, f32, capacity=context)
             if top_k is not None:
                 set_top_k(model, top_k)
         except BaseException:

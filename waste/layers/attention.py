@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..quant.linear import linear
 from .norm import rms_norm
-from .rope import apply_rope, rope_cos_sin
+from .rope import apply_rope, apply_rope_table, rope_cos_sin
 from .rows import Rows
 
 
@@ -28,13 +28,13 @@ class KVCache:
 
     __slots__ = ("_k", "_v")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self._k, self._v = Rows(k), Rows(v)
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, capacity: int = 0):
+        self._k, self._v = Rows(k, capacity), Rows(v, capacity)
 
     @staticmethod
-    def empty(cfg: GQAConfig, dtype) -> "KVCache":
-        z = torch.empty(0, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
-        return KVCache(z, z.clone())
+    def empty(cfg: GQAConfig, dtype, capacity: int = 0, device=None) -> "KVCache":
+        z = torch.empty(0, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        return KVCache(z, z.clone(), capacity)
 
     @property
     def k(self) -> torch.Tensor:
@@ -69,18 +69,44 @@ def causal_softmax_attend(q, k, v, scale: float, start: int) -> torch.Tensor:
     return torch.einsum("grts,sgd->tgrd", p, v).reshape(T, H, v.shape[-1])
 
 
-def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, positions: torch.Tensor):
+def sdpa_attend(q, k, v, start: int) -> torch.Tensor:
+    """causal_softmax_attend through torch's fused attention (its CPU flash kernel: one op, float32 accumulation,
+    grouped-query heads read in place). q [T, H, d], k/v [S, G, d]."""
+    T, S = q.shape[0], k.shape[0]
+    mask, causal = None, False
+    if T > 1:
+        if start == 0:
+            causal = True                   # torch's is_causal is top-left aligned: right only when S == T
+        else:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(start)
+    # a leading batch dimension: without it torch takes its unfused reference path (5x slower here)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
+
+
+def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, rope):
+    """One GQA layer over one sequence's new rows x [T, hidden]; rope: (cos, sin, R) from layers/rope.py's
+    RopeTable.at and its R, or the positions [T]. w may hold q, k and v stacked as `qkv_proj.weight` (fuse_rows)."""
     T = x.shape[0]
     H, KV, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(T, H, d)
-    k = linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(T, KV, d)
-    v = linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(T, KV, d)
+    if "qkv_proj.weight" in w:
+        qkv = linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")).view(T, H + 2 * KV, d)
+        q, k, v = qkv.split((H, KV, KV), dim=1)
+    else:
+        q = linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(T, H, d)
+        k = linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(T, KV, d)
+        v = linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(T, KV, d)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm.weight"], cfg.eps)
         k = rms_norm(k, w["k_norm.weight"], cfg.eps)
-    cos, sin = rope_cos_sin(positions, d, cfg.rope_theta, x.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if isinstance(rope, tuple):
+        cos, sin, R = rope
+        q, k = apply_rope_table(q, cos, sin, R), apply_rope_table(k, cos, sin, R)
+    else:
+        cos, sin = rope_cos_sin(rope, d, cfg.rope_theta, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     start = len(cache)
     cache = cache.append(k, v)
-    o = causal_softmax_attend(q, cache.k, cache.v, d ** -0.5, start)
+    o = sdpa_attend(q, cache.k, cache.v, start)
     return linear(o.reshape(T, H * d), w["o_proj.weight"]), cache

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .rows import Rows
 from .mla import MLACache, MLAConfig, _attend_absorbed, _attend_naive, _linear, mla_project
 
 
@@ -45,16 +46,21 @@ class DSAConfig:
 
 @dataclass
 class IndexerCache:
-    """Compressed keys of the complete pools [N, D], and the keys / gate logits of the incomplete tail [r, D]."""
+    """Compressed keys of the complete pools [N, D] (rows appended into a buffer sized for the planned context,
+    layers/rows.py), and the keys / gate logits of the incomplete tail [r, D]."""
 
-    pools: Tensor
+    pool_rows: Rows
     tail_k: Tensor
     tail_g: Tensor
 
+    @property
+    def pools(self) -> Tensor:
+        return self.pool_rows.data
+
     @classmethod
-    def empty(cls, cfg: DSAConfig, dtype: torch.dtype = torch.float32, device=None) -> "IndexerCache":
+    def empty(cls, cfg: DSAConfig, dtype: torch.dtype = torch.float32, device=None, capacity: int = 0) -> "IndexerCache":
         z = torch.zeros(0, cfg.head_dim, dtype=dtype, device=device)
-        return cls(z, z.clone(), z.clone())
+        return cls(Rows(z, capacity // cfg.kpool + 1 if capacity else 0), z.clone(), z.clone())
 
 
 @dataclass
@@ -65,9 +71,10 @@ class DSACache:
     index: IndexerCache | None
 
     @classmethod
-    def empty(cls, mla_cfg: MLAConfig, cfg: DSAConfig, own_indexer: bool, dtype=torch.float32, device=None):
-        return cls(MLACache.empty(mla_cfg, dtype, device),
-                   IndexerCache.empty(cfg, dtype, device) if own_indexer else None)
+    def empty(cls, mla_cfg: MLAConfig, cfg: DSAConfig, own_indexer: bool, dtype=torch.float32, device=None,
+              capacity: int = 0):
+        return cls(MLACache.empty(mla_cfg, dtype, device, capacity),
+                   IndexerCache.empty(cfg, dtype, device, capacity) if own_indexer else None)
 
     def __len__(self) -> int:
         return len(self.mla)
@@ -97,9 +104,9 @@ def extend_index(cache: IndexerCache, k: Tensor, g: Tensor, ape: Tensor, kpool: 
     kk = torch.cat([cache.tail_k.to(k.dtype), k])
     gg = torch.cat([cache.tail_g.to(g.dtype), g])
     n = (kk.shape[0] // kpool) * kpool
-    pools = cache.pools.to(k.dtype)
+    pools = cache.pool_rows
     if n:
-        pools = torch.cat([pools, compress_pools(kk[:n], gg[:n], ape, kpool)])
+        pools = pools.append(compress_pools(kk[:n], gg[:n], ape, kpool))
     return IndexerCache(pools, kk[n:].clone(), gg[n:].clone())
 
 

@@ -45,8 +45,8 @@ class MLACache:
 
     __slots__ = ("_c", "_pe")
 
-    def __init__(self, c_kv: Tensor, k_pe: Tensor):
-        self._c, self._pe = Rows(c_kv), Rows(k_pe)
+    def __init__(self, c_kv: Tensor, k_pe: Tensor, capacity: int = 0):
+        self._c, self._pe = Rows(c_kv, capacity), Rows(k_pe, capacity)
 
     @property
     def c_kv(self) -> Tensor:
@@ -63,10 +63,11 @@ class MLACache:
         return out
 
     @classmethod
-    def empty(cls, cfg: MLAConfig, dtype: torch.dtype = torch.float32, device=None) -> "MLACache":
+    def empty(cls, cfg: MLAConfig, dtype: torch.dtype = torch.float32, device=None, capacity: int = 0) -> "MLACache":
         return cls(
             torch.zeros(0, cfg.kv_lora_rank, dtype=dtype, device=device),
             torch.zeros(0, cfg.qk_rope_head_dim, dtype=dtype, device=device),
+            capacity,
         )
 
     def __len__(self) -> int:

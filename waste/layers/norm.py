@@ -9,7 +9,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dt = x.dtype
     if dt in (torch.float32, torch.float64):     # torch's op, one call instead of eight (bit-identical to the
         # lines below on torch 2.13 for every shape tried, 64-7168 wide)
-        return F.rms_norm(x, (x.shape[-1],), weight.to(dt), eps)
+        return F.rms_norm(x, (x.shape[-1],), weight if weight.dtype == dt else weight.to(dt), eps)
     xf = x.to(torch.promote_types(dt, torch.float32))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight.to(dt) * xf.to(dt)

@@ -5,10 +5,31 @@ import torch
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+                                / head_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class RopeTable:
+    """cos / sin of every position up to the planned context, built once (positions past it are computed when
+    asked: the table is a cache, never a limit). `at(start, T)` -> (cos, sin) [T, d] of positions start..start+T-1,
+    the same values rope_cos_sin gives."""
+
+    def __init__(self, head_dim: int, theta: float, capacity: int, dtype: torch.dtype, device=None):
+        self.head_dim, self.theta, self.dtype = head_dim, theta, dtype
+        cos, sin = rope_cos_sin(torch.arange(capacity, device=device), head_dim, theta, dtype)
+        self.cos, self.sin = cos[:, None, :], sin[:, None, :]        # [positions, 1, d]: broadcast over heads
+        self.R = rotate_half_matrix(head_dim, dtype, device)
+
+    def at(self, start: int, T: int):
+        """(cos, sin) [T, 1, d] of positions start .. start + T - 1."""
+        if start + T <= self.cos.shape[0]:
+            return self.cos[start:start + T], self.sin[start:start + T]
+        positions = torch.arange(start, start + T, device=self.cos.device)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, self.dtype)
+        return cos[:, None, :], sin[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -16,3 +37,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def rotate_half_matrix(d: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """R [d, d] with x @ R == cat(-x[d/2:], x[:d/2]): each output is one input times +-1 plus zeros, so the
+    product is exact; one matmul instead of two slices, a negation and a concatenation."""
+    h = d // 2
+    R = torch.zeros(d, d, dtype=dtype, device=device)
+    R[h:, :h] = -torch.eye(h, dtype=dtype, device=device)
+    R[:h, h:] = torch.eye(h, dtype=dtype, device=device)
+    return R
+
+
+def apply_rope_table(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """apply_rope with cos/sin [T, 1, d] (RopeTable.at) and R from rotate_half_matrix: three ops."""
+    return torch.addcmul(x * cos, x @ R, sin)

@@ -5,9 +5,13 @@ import torch
 import torch.nn.functional as F
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()      # no operator at all when it already is
+
+
 def softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
     """Qwen3-MoE / Mixtral: softmax over all experts, top-k, optional renormalisation."""
-    logits = F.linear(x.float(), weight.float())
+    logits = F.linear(_f32(x), _f32(weight))
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     w, idx = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
@@ -18,8 +22,8 @@ def softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_pr
 def sigmoid_grouped_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                          n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float):
     """DeepSeek-V3 / Kimi (noaux_tc): sigmoid scores; the correction bias chooses, the scores weigh."""
-    scores = torch.sigmoid(F.linear(x.float(), weight.float()))
-    choice = scores + bias.float() if bias is not None else scores
+    scores = torch.sigmoid(F.linear(_f32(x), _f32(weight)))
+    choice = scores + _f32(bias) if bias is not None else scores
     n, E = choice.shape
     if n_group > 1:
         group_scores = choice.view(n, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)

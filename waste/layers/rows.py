@@ -20,8 +20,18 @@ class _Buffer:
 class Rows:
     __slots__ = ("_b", "n")
 
-    def __init__(self, t: torch.Tensor, _buffer: _Buffer | None = None):
-        self._b = _buffer or _Buffer(t, t.shape[0])
+    def __init__(self, t: torch.Tensor, capacity: int = 0):
+        """t: the first rows; capacity: rows to allocate at once (the planned context), so that a sequence within
+        it never reallocates (static state: what `waste plan` counts is what is allocated)."""
+        if capacity > t.shape[0]:
+            # written once now (not calloc's lazy zero pages): the memory is taken at the start, as planned, not
+            # when a long reply reaches it
+            buf = torch.empty((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device).zero_()
+            buf[:t.shape[0]] = t
+            t = buf[:t.shape[0]]
+            self._b = _Buffer(buf, t.shape[0])
+        else:
+            self._b = _Buffer(t, t.shape[0])
         self.n = t.shape[0]
 
     @property

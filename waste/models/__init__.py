@@ -11,7 +11,8 @@ def check_family(family: str) -> None:
         raise WasteError(f"unsupported model family {family!r}; waste supports: {', '.join(SUPPORTED)}")
 
 
-def build_model(family: str, config: dict, trunk: dict, experts, dtype, f32_names=frozenset()):
+def build_model(family: str, config: dict, trunk: dict, experts, dtype, f32_names=frozenset(), capacity=None,
+                device="cpu"):
     check_family(family)
     if family == "qwen3_moe":
         from .qwen3_moe import Qwen3Moe as cls
@@ -21,4 +22,4 @@ def build_model(family: str, config: dict, trunk: dict, experts, dtype, f32_name
         from .deepseek_v3 import DeepseekV3 as cls
     else:
         from .kimi_linear import KimiLinear as cls
-    return cls(config, trunk, experts, dtype, f32_names)
+    return cls(config, trunk, experts, dtype, f32_names, capacity=capacity, device=device)

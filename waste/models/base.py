@@ -1,7 +1,13 @@
-"""The decoder skeleton every family shares: embed, N x (attention, MLP) with pre-norm residuals, norm, head.
+"""The decoder skeleton every family shares: embed, N x (attention, MLP) residual blocks, norm, head.
 
-A family subclass says how one layer attends and what state it carries. The routed experts are not
-here: the model asks the runtime's expert store to apply the chosen experts to its rows.
+A family subclass says how one layer attends and what state it carries (`new_layer_state`, `attend`), and, where
+its residual is not the plain `x + f(norm(x))`, how a block reads and writes the residual stream (the block hooks
+`stream_in`, `block_in`, `block_out`, `stream_out`: GLM-5.3's mHC streams). Everything else, the batched `step`
+included, is here, so every family is batched the same way with shared expert reads.
+
+The routed experts are not here: the runtime's expert store makes the experts a layer routes to resident and says
+in which slab slots they sit; layers/moe.py computes them from there with the kernel registered for the store's
+format and device.
 """
 from __future__ import annotations
 
@@ -9,15 +15,19 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.mlp import dense_mlp
+from ..layers.moe import kernel_for, routed_experts
 from ..layers.norm import rms_norm
-from ..quant.linear import linear
 from ..layers.router import sigmoid_grouped_topk, softmax_topk
+from ..quant.linear import linear
+from ..timing import NO_TIMER
 
 
 class DecoderModel:
     def __init__(self, config: dict, trunk: dict[str, torch.Tensor], experts, dtype: torch.dtype,
-                 f32_names: set[str] = frozenset()):
-        self.cfg, self.experts, self.dtype = config, experts, dtype
+                 f32_names: set[str] = frozenset(), capacity: int | None = None, device: str = "cpu"):
+        self.cfg, self.experts, self.dtype, self.device = config, experts, dtype, torch.device(device)
+        # the context every sequence's state is allocated for, once (static state; grows only past it)
+        self.capacity = capacity or config.get("max_position_embeddings") or 4096
         self.eps = config["rms_norm_eps"]
         w = {k: (v if k in f32_names else v.to(dtype)) for k, v in trunk.items()}
         self.embed = w["embed_tokens.weight"]
@@ -30,14 +40,39 @@ class DecoderModel:
         self.moe = config.get("moe") or {}
         self.top_k = self.moe.get("top_k")
         self.route_trace: list | None = None   # set to [] to record (layer, expert ids) per forward
+        self.timer = NO_TIMER                   # waste bench --profile sets a timing.Timer
         self.swiglu_limit = config.get("swiglu_limit")   # clamped SwiGLU in every MLP (None: plain)
+        self.dense = [self.cfg["layers"][i]["mlp"] == "dense" for i in range(len(self.layers))]
+        for lw in self.layers:            # routing math is float32: convert the router once, not per token
+            for k in ("mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
+                if k in lw:
+                    lw[k] = lw[k].float()
+        make_bank = getattr(experts, "make_bank", None)
+        self.bank = make_bank(self.device) if make_bank is not None and self.moe else None
+        self.kernel = kernel_for(self.bank.fmt, self.device) if self.bank is not None else None
 
     # -- family hooks --------------------------------------------------------------------------------
     def new_layer_state(self, i: int):
         raise NotImplementedError
 
-    def attend(self, i: int, x: torch.Tensor, state, positions: torch.Tensor):
+    def attend(self, i: int, x: torch.Tensor, state, positions: torch.Tensor, scratch: dict):
+        """One layer's attention over one sequence's new rows; scratch: per-sequence values of this step shared by
+        its layers (rotary tables, DSA's shared selection)."""
         raise NotImplementedError
+
+    def stream_in(self, x: torch.Tensor):
+        """The residual stream from the embeddings (mHC: hc_mult copies)."""
+        return x
+
+    def block_in(self, i: int, which: str, h):
+        """(the sublayer's input before its norm, what block_out needs) for which = "attn" or "mlp"."""
+        return h, None
+
+    def block_out(self, i: int, which: str, h, y: torch.Tensor, ctx):
+        return h + y
+
+    def stream_out(self, h) -> torch.Tensor:
+        return h
 
     # -- shared --------------------------------------------------------------------------------------
     def new_state(self) -> list:
@@ -51,59 +86,66 @@ class DecoderModel:
                                     m["n_group"], m["topk_group"], m["norm_topk_prob"], m["routed_scaling_factor"])
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        lw = self.layers[i]
-        if self.cfg["layers"][i]["mlp"] == "dense":
-            return dense_mlp(x, lw, "mlp.", self.swiglu_limit)
-        weights, idx = self.route(i, x)
-        if self.route_trace is not None:
-            self.route_trace.append((i, idx.clone()))
-        y = self.experts.apply(i, x, idx, weights)
-        if self.moe.get("num_shared_experts"):
-            y = y + dense_mlp(x, lw, "mlp.shared_experts.", self.swiglu_limit)
-        return y
-
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, state: list, start: int, last_only: bool = False) -> torch.Tensor:
-        """ids [T] continuing a sequence of `start` tokens; returns float32 logits [T, V] (or [1, V])."""
-        x = F.embedding(ids, self.embed)
-        positions = torch.arange(start, start + ids.shape[0])
-        for i, lw in enumerate(self.layers):
-            a, state[i] = self.attend(i, rms_norm(x, lw["input_layernorm.weight"], self.eps), state[i], positions)
-            x = x + a
-            x = x + self.mlp(i, rms_norm(x, lw["post_attention_layernorm.weight"], self.eps))
-        if last_only:
-            x = x[-1:]
-        return linear(rms_norm(x, self.norm, self.eps), self.head).float()
+        return self.mlp_many(i, [x])[0]
 
     def mlp_many(self, i: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """mlp(i, x) for each sequence's rows, bit for bit; a MoE layer asks the expert store once for all."""
-        if self.cfg["layers"][i]["mlp"] == "dense" or len(xs) == 1 or not hasattr(self.experts, "apply_many"):
-            return [self.mlp(i, x) for x in xs]
-        lw, routed = self.layers[i], [self.route(i, x) for x in xs]
+        """The MLP of layer i for each sequence's rows. A MoE layer asks the expert store once for the union of all
+        their experts (one read serves every sequence routed to an expert); each sequence's rows are computed on
+        their own (a matmul's last bits depend on its row count), so a sequence's output never depends on what it
+        is batched with."""
+        lw, timer = self.layers[i], self.timer
+        if self.dense[i]:
+            with timer.section("trunk matvec"):
+                return [dense_mlp(x, lw, "mlp.", self.swiglu_limit) for x in xs]
+        with timer.section("router"):
+            routed = [self.route(i, x) for x in xs]
         if self.route_trace is not None:
             self.route_trace.extend((i, idx.clone()) for _, idx in routed)
-        ys = self.experts.apply_many(i, [(x, idx, w) for x, (w, idx) in zip(xs, routed)])
+        ys = None
+        with timer.section("expert compute"):
+            for slots, complete in self.experts.resident(i, [idx for _, idx in routed]):
+                part = [routed_experts(x, s, w, self.bank, self.kernel, complete)
+                        for x, s, (w, _) in zip(xs, slots, routed)]
+                ys = part if ys is None else [a + b for a, b in zip(ys, part)]
         if self.moe.get("num_shared_experts"):
-            ys = [y + dense_mlp(x, lw, "mlp.shared_experts.", self.swiglu_limit) for x, y in zip(xs, ys)]
+            with timer.section("trunk matvec"):
+                ys = [y + dense_mlp(x, lw, "mlp.shared_experts.", self.swiglu_limit) for x, y in zip(xs, ys)]
         return ys
 
     @torch.inference_mode()
-    def forward_batch(self, items: list) -> list[torch.Tensor]:
-        """items [(ids [T], state, start)], one per sequence -> float32 logits [1, V] each, bit-identical to
-        forward(ids, state, start, last_only=True) on that sequence alone. Rows of different sequences never
-        share a matmul (its last bits depend on its row count); they share the expert store: each MoE layer makes
-        the union of their experts resident once, so one read serves every sequence routed to an expert. A
-        family with its own forward (GLM-5.3's mHC streams) runs its sequences one after another."""
-        if type(self).forward is not DecoderModel.forward or len(items) == 1:
-            return [self.forward(ids, state, start, last_only=True) for ids, state, start in items]
-        xs = [F.embedding(ids, self.embed) for ids, _, _ in items]
-        positions = [torch.arange(start, start + ids.shape[0]) for ids, _, start in items]
+    def step(self, items: list, last_only: bool = True) -> list[torch.Tensor]:
+        """items [(ids [T], state, start)], one per sequence, each continuing its sequence of `start` tokens ->
+        float32 logits per sequence ([1, V] with last_only, else [T, V]). The one forward of prefill and decode, of
+        one request (Engine.generate) and of a batch (the server's scheduler); a sequence's logits are bit-identical
+        alone or batched."""
+        hs, positions, scratch = [], [], []
+        for ids, _, start in items:
+            hs.append(self.stream_in(F.embedding(ids, self.embed)))
+            positions.append(torch.arange(start, start + ids.shape[0], device=self.device))
+            scratch.append({"start": start})
         for i, lw in enumerate(self.layers):
-            hs = []
+            normed, ctxs = [], []
             for j, (_, state, _) in enumerate(items):
-                a, state[i] = self.attend(i, rms_norm(xs[j], lw["input_layernorm.weight"], self.eps), state[i],
-                                          positions[j])
-                xs[j] = xs[j] + a
-                hs.append(rms_norm(xs[j], lw["post_attention_layernorm.weight"], self.eps))
-            xs = [x + y for x, y in zip(xs, self.mlp_many(i, hs))]
-        return [linear(rms_norm(x[-1:], self.norm, self.eps), self.head).float() for x in xs]
+                u, ctx = self.block_in(i, "attn", hs[j])
+                with self.timer.section("attention"):
+                    a, state[i] = self.attend(i, rms_norm(u, lw["input_layernorm.weight"], self.eps), state[i],
+                                              positions[j], scratch[j])
+                hs[j] = self.block_out(i, "attn", hs[j], a, ctx)
+                u, ctx = self.block_in(i, "mlp", hs[j])
+                normed.append(rms_norm(u, lw["post_attention_layernorm.weight"], self.eps))
+                ctxs.append(ctx)
+            for j, y in enumerate(self.mlp_many(i, normed)):
+                hs[j] = self.block_out(i, "mlp", hs[j], y, ctxs[j])
+        out = []
+        for h in hs:
+            x = self.stream_out(h)
+            if last_only:
+                x = x[-1:]
+            with self.timer.section("trunk matvec"):
+                out.append(linear(rms_norm(x, self.norm, self.eps), self.head).float())
+        return out
+
+    def forward(self, ids: torch.Tensor, state: list, start: int, last_only: bool = False) -> torch.Tensor:
+        """ids [T] continuing a sequence of `start` tokens; returns float32 logits [T, V] (or [1, V])."""
+        return self.step([(ids, state, start)], last_only)[0]
+

@@ -8,8 +8,8 @@ from .base import DecoderModel
 
 
 class DeepseekV3(DecoderModel):
-    def __init__(self, config, trunk, experts, dtype, f32_names=frozenset()):
-        super().__init__(config, trunk, experts, dtype, f32_names)
+    def __init__(self, config, trunk, experts, dtype, f32_names=frozenset(), **kw):
+        super().__init__(config, trunk, experts, dtype, f32_names, **kw)
         m = config["mla"]
         r = m["qk_rope_head_dim"]
         rope = make_rope(m["rope"], r) if m.get("rope") and r else None
@@ -20,7 +20,7 @@ class DeepseekV3(DecoderModel):
                        for lw in self.layers]
 
     def new_layer_state(self, i):
-        return MLACache.empty(self.mla_cfg, self.dtype)
+        return MLACache.empty(self.mla_cfg, self.dtype, self.device, self.capacity)
 
-    def attend(self, i, x, state, positions):
+    def attend(self, i, x, state, positions, scratch):
         return mla_forward(x, self.attn_w[i], self.mla_cfg, state, positions)

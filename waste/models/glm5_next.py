@@ -3,7 +3,7 @@
 correction bias and shared experts.
 
 The layer loop differs from the shared skeleton's only in the residual: hc_mult streams instead of one
-(layers/mhc.py). Set `dsa_trace = []` to record every DSA selection, or WASTE_DUMP_DSA=1 (or `dump_dsa = True`)
+(layers/mhc.py), plugged in through the skeleton's block hooks, so GLM-5.3 is batched like every family. Set `dsa_trace = []` to record every DSA selection, or WASTE_DUMP_DSA=1 (or `dump_dsa = True`)
 to print, per layer and query, which pools won and on what scores.
 """
 from __future__ import annotations
@@ -11,21 +11,16 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-import torch.nn.functional as F
-
 from ..layers.dsa import DSACache, DSAConfig, dsa_forward, trace_lines
 from ..layers.kda import KDAConfig, KDAState, kda_forward
 from ..layers.mhc import MHCConfig, hc_expand, hc_mean, hc_merge, hc_split
 from ..layers.mla import MLAConfig
-from ..layers.norm import rms_norm
-from ..quant.linear import linear
 from .base import DecoderModel
 
 
 class Glm5Next(DecoderModel):
-    def __init__(self, config, trunk, experts, dtype, f32_names=frozenset()):
-        super().__init__(config, trunk, experts, dtype, f32_names)
+    def __init__(self, config, trunk, experts, dtype, f32_names=frozenset(), **kw):
+        super().__init__(config, trunk, experts, dtype, f32_names, **kw)
         k, m, d, h = config["kda"], config["mla"], config["dsa"], config["mhc"]
         self.kda_cfg = KDAConfig(k["num_heads"], k["head_dim"], k["conv_kernel"], config["rms_norm_eps"],
                                  k.get("gate_lower_bound"))
@@ -40,42 +35,40 @@ class Glm5Next(DecoderModel):
                        for lw in self.layers]
         self.dsa_trace: list | None = None      # set to [] to record (layer, start, Selection) per DSA layer call
         self.dump_dsa = os.environ.get("WASTE_DUMP_DSA", "0") not in ("", "0")
-        self._shared = None                     # the last full indexer layer's selection, within one forward
 
     def new_layer_state(self, i):
         if self.kinds[i] == "kda":
-            return KDAState.empty(self.kda_cfg, self.dtype)
-        return DSACache.empty(self.mla_cfg, self.dsa_cfg, self.indexer[i] == "full", self.dtype)
+            return KDAState.empty(self.kda_cfg, self.dtype, self.device)
+        return DSACache.empty(self.mla_cfg, self.dsa_cfg, self.indexer[i] == "full", self.dtype, self.device,
+                              self.capacity)
 
-    def attend(self, i, x, state, positions):
+    def attend(self, i, x, state, positions, scratch):
         if self.kinds[i] == "kda":
             return kda_forward(x, self.attn_w[i], self.kda_cfg, state)
         tracing = self.dsa_trace is not None or self.dump_dsa
         start = len(state)
+        # a layer without its own indexer reuses the selection of the last one with it, within this step
         out, state, sel = dsa_forward(x, self.attn_w[i], self.mla_cfg, self.dsa_cfg, state, positions,
-                                      shared=self._shared, want_scores=tracing)
+                                      shared=scratch.get("dsa"), want_scores=tracing)
         if self.indexer[i] == "full":
-            self._shared = sel
+            scratch["dsa"] = sel
         if self.dsa_trace is not None:
             self.dsa_trace.append((i, start, sel))
         if self.dump_dsa and self.indexer[i] == "full":
             print("\n".join(trace_lines(i, start, sel, self.dsa_cfg.kpool)), file=sys.stderr, flush=True)
         return out, state
 
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, state: list, start: int, last_only: bool = False) -> torch.Tensor:
-        """ids [T] continuing a sequence of `start` tokens; returns float32 logits [T, V] (or [1, V])."""
-        X = hc_expand(F.embedding(ids, self.embed), self.hc_cfg.hc_mult)
-        positions = torch.arange(start, start + ids.shape[0])
-        self._shared = None
-        for i, lw in enumerate(self.layers):
-            u, post, M = hc_split(X, lw["hc_attn_fn"], lw["hc_attn_base"], lw["hc_attn_scale"], self.hc_cfg)
-            a, state[i] = self.attend(i, rms_norm(u, lw["input_layernorm.weight"], self.eps), state[i], positions)
-            X = hc_merge(X, a, post, M)
-            u, post, M = hc_split(X, lw["hc_ffn_fn"], lw["hc_ffn_base"], lw["hc_ffn_scale"], self.hc_cfg)
-            X = hc_merge(X, self.mlp(i, rms_norm(u, lw["post_attention_layernorm.weight"], self.eps)), post, M)
-        self._shared = None
-        x = hc_mean(X)
-        if last_only:
-            x = x[-1:]
-        return linear(rms_norm(x, self.norm, self.eps), self.head).float()
+    # -- mHC: hc_mult residual streams instead of one --------------------------------------------------
+    def stream_in(self, x):
+        return hc_expand(x, self.hc_cfg.hc_mult)
+
+    def block_in(self, i, which, X):
+        lw, p = self.layers[i], "hc_attn_" if which == "attn" else "hc_ffn_"
+        u, post, M = hc_split(X, lw[p + "fn"], lw[p + "base"], lw[p + "scale"], self.hc_cfg)
+        return u, (post, M)
+
+    def block_out(self, i, which, X, y, ctx):
+        return hc_merge(X, y, *ctx)
+
+    def stream_out(self, X):
+        return hc_mean(X)

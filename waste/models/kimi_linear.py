@@ -8,8 +8,8 @@ from .base import DecoderModel
 
 
 class KimiLinear(DecoderModel):
-    def __init__(self, config, trunk, experts, dtype, f32_names=frozenset()):
-        super().__init__(config, trunk, experts, dtype, f32_names)
+    def __init__(self, config, trunk, experts, dtype, f32_names=frozenset(), **kw):
+        super().__init__(config, trunk, experts, dtype, f32_names, **kw)
         k, m = config["kda"], config["mla"]
         self.kda_cfg = KDAConfig(k["num_heads"], k["head_dim"], k["conv_kernel"], config["rms_norm_eps"])
         self.mla_cfg = MLAConfig(m["num_heads"], m["q_lora_rank"], m["kv_lora_rank"], m["qk_nope_head_dim"],
@@ -21,10 +21,10 @@ class KimiLinear(DecoderModel):
 
     def new_layer_state(self, i):
         if self.kinds[i] == "kda":
-            return KDAState.empty(self.kda_cfg, self.dtype)
-        return MLACache.empty(self.mla_cfg, self.dtype)
+            return KDAState.empty(self.kda_cfg, self.dtype, self.device)
+        return MLACache.empty(self.mla_cfg, self.dtype, self.device, self.capacity)
 
-    def attend(self, i, x, state, positions):
+    def attend(self, i, x, state, positions, scratch):
         if self.kinds[i] == "kda":
             return kda_forward(x, self.attn_w[i], self.kda_cfg, state)
         return mla_forward(x, self.attn_w[i], self.mla_cfg, state, positions)

@@ -2,20 +2,40 @@
 from __future__ import annotations
 
 from ..layers.attention import GQAConfig, KVCache, gqa_forward
+from ..layers.rope import RopeTable
+from ..quant.linear import fuse_rows
 from .base import DecoderModel
 
 
+def fuse_qkv(w: dict) -> dict:
+    """q, k and v as one matrix (`qkv_proj.weight`) when their storage stacks (quant/linear.py fuse_rows)."""
+    names = [f"{p}_proj.weight" for p in "qkv"]
+    if any(f"{p}_proj.bias" in w for p in "qkv"):
+        return w
+    fused = fuse_rows([w[n] for n in names])
+    if fused is None:
+        return w
+    return {"qkv_proj.weight": fused, **{k: v for k, v in w.items() if k not in names}}
+
+
 class Qwen3Moe(DecoderModel):
-    def __init__(self, config, trunk, experts, dtype, f32_names=frozenset()):
-        super().__init__(config, trunk, experts, dtype, f32_names)
+    def __init__(self, config, trunk, experts, dtype, f32_names=frozenset(), **kw):
+        super().__init__(config, trunk, experts, dtype, f32_names, **kw)
         g = config["gqa"]
         self.attn_cfg = GQAConfig(g["num_heads"], g["num_kv_heads"], g["head_dim"], g["rope_theta"], g["qk_norm"],
                                   config["rms_norm_eps"])
-        self.attn_w = [{k[len("self_attn."):]: v for k, v in lw.items() if k.startswith("self_attn.")}
+        self.attn_w = [fuse_qkv({k[len("self_attn."):]: v for k, v in lw.items() if k.startswith("self_attn.")})
                        for lw in self.layers]
+        for lw in self.layers:           # the fused copies replace them (not kept twice)
+            for k in [k for k in lw if k.startswith("self_attn.") and k.endswith(("q_proj.weight", "k_proj.weight",
+                                                                                   "v_proj.weight"))]:
+                del lw[k]
+        self.rope = RopeTable(g["head_dim"], g["rope_theta"], self.capacity, dtype, self.device)
 
     def new_layer_state(self, i):
-        return KVCache.empty(self.attn_cfg, self.dtype)
+        return KVCache.empty(self.attn_cfg, self.dtype, self.capacity, self.device)
 
-    def attend(self, i, x, state, positions):
-        return gqa_forward(x, self.attn_w[i], self.attn_cfg, state, positions)
+    def attend(self, i, x, state, positions, scratch):
+        if "rope" not in scratch:            # once per sequence and step, shared by every layer
+            scratch["rope"] = (*self.rope.at(scratch["start"], x.shape[0]), self.rope.R)
+        return gqa_forward(x, self.attn_w[i], self.attn_cfg, state, scratch["rope"])

@@ -15,6 +15,7 @@ class Format:
     name: str = ""
     bits: float = 0.0
     kernel_dtype: torch.dtype | None = None   # the activation dtype linear() computes in whatever x's (None: x's)
+    kind: str = ""                            # grouped-kernel family (quant/grouped.py); "" means the name
 
     def pack(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -52,6 +53,7 @@ class Plain(Format):
     def __init__(self, name: str, dtype: torch.dtype):
         self.name, self.dtype = name, dtype
         self.bits = torch.finfo(dtype).bits
+        self.kind = "float"
 
     def pack(self, w):
         return {"": w.to(self.dtype).contiguous()}

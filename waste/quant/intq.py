@@ -72,7 +72,7 @@ def group_for(K: int, group: int) -> int:
 
 
 class Q4(Format):
-    bits = 4.0
+    bits, kind = 4.0, "q4"
     kernel_dtype = torch.bfloat16      # int4pack.int4_mm runs a float32 x as bf16
     # above this many rows of x, unpacking once and multiplying in float beats the int4 kernel (docs/LEARNED.md)
     dequant_rows = 1 << 30
@@ -123,4 +123,5 @@ class Q4(Format):
         g = self._group(parts, shape)
         if not int4pack.kernel_ok(N, K, g) or x.shape[0] > self.dequant_rows:
             return F.linear(x, self.unpack(parts, shape, x.dtype))      # (prepare() leaves these parts as stored)
-        return int4pack.int4_mm(x, parts["q"].view(N, K // 2), g, parts["sz"])
+        q = parts["q"]
+        return int4pack.int4_mm(x, q if q.shape == (N, K // 2) else q.view(N, K // 2), g, parts["sz"])

@@ -44,14 +44,32 @@ class QuantWeight:
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ w.T (+ bias), in x's dtype, for a float tensor or a QuantWeight."""
     if isinstance(w, QuantWeight):
-        lead = x.shape[:-1]
-        y = w.fmt.linear(x.reshape(-1, x.shape[-1]), w.parts, w.shape).view(*lead, w.shape[0])
+        if x.dim() == 2:            # rows already: no reshapes (each is an operator a decode step pays for)
+            y = w.fmt.linear(x, w.parts, w.shape)
+        else:
+            lead = x.shape[:-1]
+            y = w.fmt.linear(x.reshape(-1, x.shape[-1]), w.parts, w.shape).view(*lead, w.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
     if w.dtype != x.dtype:
         w = w.to(x.dtype)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     return F.linear(x, w, bias)
+
+
+def fuse_rows(ws: list):
+    """Matrices with the same input, stacked by output rows into one (one matmul instead of several: the q, k and v
+    projections; gate and up), or None when their storage cannot be stacked as it is (mixed formats, q4's 64-row
+    blocks cut). Float: cat. q8: codes and row scales cat. Exact: each output row is computed as before."""
+    if all(isinstance(w, torch.Tensor) for w in ws):
+        return torch.cat(ws) if len({w.dtype for w in ws}) == 1 else None
+    if not all(isinstance(w, QuantWeight) for w in ws) or len({w.fmt.name for w in ws}) != 1:
+        return None
+    fmt = ws[0].fmt
+    if fmt.name != "q8" or len({w.shape[1] for w in ws}) != 1:
+        return None
+    parts = {k: torch.cat([w.parts[k] for w in ws]) for k in ("q", "scale")}
+    return QuantWeight(fmt, parts, (sum(w.shape[0] for w in ws), ws[0].shape[1]))
 
 
 # trunk matrices that stay in float whatever --trunk says: looked up (embeddings) or used as a raw tensor

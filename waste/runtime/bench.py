@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from ..timing import BUCKETS, NO_TIMER, Timer, count_ops
 from ..units import fmt_bytes
 from .bankio import measure_direct_bandwidth
 
@@ -14,13 +15,15 @@ BENCH_TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\
 
 
 def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, feed: str = "greedy",
-          routing: str = "model") -> dict:
+          routing: str = "model", profile: bool = False) -> dict:
     """feed: what each decode step is given, "greedy" (the model's own choice) or "random" (a seeded random token
     sequence: on a model with random weights greedy decoding soon repeats one token, and with it the same
     experts, which flatters the cache).
     routing: "model" (the router's choice) or "uniform" (each token to top_k experts drawn uniformly at random,
     seeded: the cache's worst case for a balanced model; a random-weight model's own router concentrates on a few
-    experts per layer in its deeper layers and flatters the cache as much as repeated tokens do)."""
+    experts per layer in its deeper layers and flatters the cache as much as repeated tokens do).
+    profile: also time the decode steps in buckets (timing.BUCKETS, per token) and count the torch operators of one
+    more decode step."""
     tok = engine.tokenizer
     ids = []
     while len(ids) < prompt_len:
@@ -42,15 +45,28 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         t1 = time.perf_counter()
         c1 = counters()
         pos = len(ids)
-        fed = torch.randint(0, model.embed.shape[0], (n,), generator=torch.Generator().manual_seed(0)).tolist()
+        fed = torch.randint(0, model.embed.shape[0], (n + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+        timer = Timer() if profile else NO_TIMER
+        model.timer, wait0 = timer, cache.stats.wait_seconds
         for i in range(n):
-            nxt = int(torch.argmax(logits)) if feed == "greedy" else fed[i]
+            with timer.section("sampling"):
+                nxt = int(torch.argmax(logits)) if feed == "greedy" else fed[i]
             logits = model.forward(torch.tensor([nxt]), state, pos, last_only=True)[-1]
             pos += 1
+        t2 = time.perf_counter()
+        c2 = counters()
+        model.timer = NO_TIMER
+        prof = None
+        if profile:
+            timer.move("expert compute", "expert wait", cache.stats.wait_seconds - wait0)
+            timer.add("other", (t2 - t1) - sum(timer.seconds.values()))
+            nxt = int(torch.argmax(logits)) if feed == "greedy" else fed[n]
+            ops, by_op = count_ops(lambda: model.forward(torch.tensor([nxt]), state, pos, last_only=True))
+            prof = {"ms_per_token": {b: 1e3 * timer.seconds.get(b, 0.0) / n for b in BUCKETS},
+                    "ops_per_step": ops, "ops_by_kind": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
     finally:
         model.__dict__.pop("route", None)
-    t2 = time.perf_counter()
-    c2 = counters()
+        model.timer = NO_TIMER
     banks = list(engine.container.banks.values())
     bw, direct = measure_direct_bandwidth(max(banks, key=lambda b: b.num_experts * b.record_bytes), bw_seconds) \
         if banks else (0.0, False)
@@ -74,6 +90,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         "background_fill_bytes": cache.fill_bytes, "evictions": cache.stats.evictions, "feed": feed,
         "routing": routing,
         "prefill": phase(c0, c1, t1 - t0, len(ids)), "decode": phase(c1, c2, t2 - t1, n),
+        **({"profile": prof} if prof else {}),
     }
 
 
@@ -103,4 +120,11 @@ def report_lines(r: dict) -> list[str]:
                    f"hit {100 * p['hit_rate']:.1f}% ({p['hits']} hit / {p['misses']} miss) | read "
                    f"{fmt_bytes(p['bytes_read'])} at {p['read_gb_per_s']:.2f} GB/s | {bound}")
     out.append(f"fill         background fill read {fmt_bytes(r['background_fill_bytes'])}; evictions {r['evictions']}")
+    if "profile" in r:
+        p = r["profile"]
+        total = sum(p["ms_per_token"].values())
+        out.append(f"profile      {total:.2f} ms per decode token: " + ", ".join(
+            f"{b} {ms:.2f}" for b, ms in p["ms_per_token"].items()))
+        top = ", ".join(f"{k} {v}" for k, v in list(p["ops_by_kind"].items())[:8])
+        out.append(f"ops          {p['ops_per_step']} torch operators per decode step ({top}, ...)")
     return out

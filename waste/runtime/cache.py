@@ -3,17 +3,19 @@
 - One preallocated, page-aligned slab; (layer, expert) -> slot. A record is read once, straight into its
   slot (bankio), and unpacked from there each time it is used.
 - Eviction is LFRU (policy.py): frequency with aging plus recency; docs/LEARNED.md compares it with LRU.
-- A layer call asks for all the experts it needs at once: hits are computed while the misses are read by
-  a pool of threads (pread releases the GIL); when every record is resident nothing waits on I/O.
+- A MoE layer asks once for all the experts it needs (`resident`): the misses are read by a pool of threads
+  (pread releases the GIL), and the layer gets back the slot of every (row, choice) pair. The store does not
+  compute: layers/moe.py runs the experts straight from the slab's [slots, ...] views (`make_bank`).
 - When the whole bank fits in the budget, a background fill walks the banks in file order and fills empty
   slots. It never evicts and never counts a hit or a miss; its bytes are counted apart.
-- The sum over experts is always taken in ascending expert id, so outputs are bit-identical whatever the
+- Which slot an expert sits in never changes what is computed for it, so outputs are bit-identical whatever the
   budget, the fill, or the order in which reads complete.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -23,7 +25,9 @@ from ..container import Container
 from ..errors import WasteError
 from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
-from .experts import ExpertStats, expert_swiglu, matrix_parts, prepare_record
+from ..container.bank import _DTYPES
+from ..layers.moe import MATRICES, Bank
+from .experts import ExpertStats, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
 
 
@@ -61,6 +65,10 @@ class ExpertCache:
         self.step = 1.0 / max(len(self.banks), 1)     # one token = one call per MoE layer
         self.layout = next(iter(self.banks.values())).layout if self.banks else None
         self._parts_of_slot: dict[int, dict] = {}
+        # expert -> slot (-1: not resident) per layer, as a tensor: a layer's slots are one index op
+        self.slot_map = torch.full((max(self.banks, default=-1) + 1, max((b.num_experts for b in self.banks.values()),
+                                                                         default=0)), -1, dtype=torch.long)
+        self.layer_slots = list(self.slot_map)        # one view per layer: a layer's lookup is one index op
         self.readers = {l: BankReader(b, direct) for l, b in self.banks.items()}
         self.direct = all(r.direct for r in self.readers.values()) if self.readers else False
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="waste-read")
@@ -100,8 +108,7 @@ class ExpertCache:
             if len(cand) < need:
                 raise WasteError("the expert budget is too small for one layer's experts at once: raise --budget")
             for s in self.policy.victims(cand, need).tolist():
-                del self.slot_of[self.key_of[s]]
-                self.key_of[s] = None
+                self._unassign(self.key_of[s])
                 self.stats.evictions += 1
                 out.append(s)
         return out
@@ -123,7 +130,7 @@ class ExpertCache:
                     if key in self.slot_of or key in self.loading or not self.free:
                         continue
                     slot = self.free.pop()
-                    self.slot_of[key], self.key_of[slot] = slot, key
+                    self._assign(key, slot)
                     fut = Future()
                     self.loading[key] = fut
                 try:
@@ -140,52 +147,63 @@ class ExpertCache:
                     self.fill_bytes += self.record_bytes
 
     # -- the store interface -----------------------------------------------------------------------
-    def apply(self, layer: int, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.apply_many(layer, [(x, idx, weights)])[0]
+    def make_bank(self, device: torch.device | str = "cpu") -> Bank:
+        """The slab as [slots, ...] views per matrix part (layers/moe.py's Bank): what the grouped kernels read."""
+        rows = self.slab.view(max(self.n_slots, 1), self.record_bytes) if self.n_slots else None
+        parts: dict[str, dict[str, torch.Tensor]] = {m: {} for m in MATRICES}
+        offsets = {}
+        if rows is not None and self.layout is not None:
+            for p in self.layout.parts:
+                m, _, suffix = p.name.partition(".")
+                t = rows[:, p.offset:p.offset + p.nbytes].view(_DTYPES[p.dtype]).view(self.n_slots, *p.shape)
+                parts[m][suffix] = t
+                offsets[p.name] = (p.offset, p.nbytes, p.dtype)
+        gate_up = None
+        g, u = offsets.get("gate"), offsets.get("up")
+        if g and u and g[2] == u[2] and u[0] == g[0] + g[1] and self.fmt.kind == "float":
+            inter, h = self.shapes["gate"]
+            gate_up = rows[:, g[0]:g[0] + 2 * g[1]].view(_DTYPES[g[2]]).view(self.n_slots, 2 * inter, h)
+        return Bank(parts, self.shapes, self.fmt, self.swiglu_limit, gate_up)
 
-    def apply_many(self, layer: int, calls) -> list[torch.Tensor]:
-        """[(x, idx, weights), ...], one per sequence -> each one's output, bit-identical to `apply` on it alone.
-        The union of their experts is made resident once (one read, or one hit, serves every call routed to an
-        expert); each call's rows are computed apart, never concatenated with another's (a matmul's last bits
-        depend on its row count), and summed in ascending expert id."""
+    def resident(self, layer: int, idxs: list[torch.Tensor]):
+        """Make the experts that idxs (one [T, k] tensor of expert ids per sequence) route to resident, and yield
+        (slots per sequence, complete): the slot of every pair, -1 where this group does not hold it. One group
+        (complete) unless the layer needs more experts than the budget has slots (a long prefill on a tiny budget),
+        then groups of at most n_slots experts, each resident while its pairs are computed."""
         if self.damage is not None:
             raise self.damage
-        needs = [torch.unique(idx).tolist() for _, idx, _ in calls]
-        union = sorted(set().union(*needs))
-        ys: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in calls]
-        # a call may need more experts than there are slots (a long prefill on a tiny budget): take them in groups
-        for g in range(0, len(union), max(self.n_slots, 1)):
-            self._apply_group(layer, calls, needs, union[g:g + self.n_slots], ys)
+        # the union on the host, through numpy: the ids are needed there anyway (which records to read)
+        union = np.unique(np.concatenate([(i if i.device.type == "cpu" else i.cpu()).numpy().ravel()
+                                          for i in idxs])).tolist()
+        per = max(self.n_slots, 1)
+        for g in range(0, len(union), per):
+            group = union[g:g + per]
+            self._make_resident(layer, group)
+            if len(group) == len(union):
+                m = self.layer_slots[layer]
+                yield [m[i] for i in idxs], True
+            else:
+                lut = torch.full_like(self.slot_map[layer], -1)
+                lut[group] = self.slot_map[layer, group]
+                yield [lut[i] for i in idxs], False
         self.policy.advance(self.step)
-        outs = []
-        for (x, _, _), needed, y in zip(calls, needs, ys):
-            out = torch.zeros_like(x)
-            for e in needed:                      # ascending expert id: the same sum whatever was cached
-                rows, v = y[e]
-                out.index_add_(0, rows, v)
-            outs.append(out)
-        return outs
 
-    def _apply_group(self, layer, calls, needs, experts, ys) -> None:
+    def _make_resident(self, layer: int, experts: list[int]) -> None:
         waits: dict[int, Future] = {}
-        resident: list[int] = []
         with self.lock:
             pinned = {self.slot_of[(layer, e)] for e in experts if (layer, e) in self.slot_of}
             misses = [e for e in experts if (layer, e) not in self.slot_of]
             slots = self._take_slots(len(misses), pinned)
             for e, s in zip(misses, slots):
                 key = (layer, e)
-                self.slot_of[key], self.key_of[s] = s, key
+                self._assign(key, s)
                 self.policy.reset(s)
                 waits[e] = self.pool.submit(self._read, key, s)
                 self.loading[key] = waits[e]
             for e in experts:
                 key = (layer, e)
-                if e not in waits:
-                    if key in self.loading:            # the background fill is reading it right now
-                        waits[e] = self.loading[key]
-                    else:
-                        resident.append(e)
+                if e not in waits and key in self.loading:     # the background fill is reading it right now
+                    waits[e] = self.loading[key]
                 self.policy.touch(self.slot_of[key])
             n_hit, n_miss = len(experts) - len(misses), len(misses)
             self.stats.hits += n_hit
@@ -193,19 +211,12 @@ class ExpertCache:
             pl = self.stats.per_layer.setdefault(layer, [0, 0])
             pl[0] += n_hit
             pl[1] += n_miss
-        wanted = [set(n) for n in needs]
-
-        def run(e):
-            for c, (x, idx, weights) in enumerate(calls):
-                if e in wanted[c]:
-                    ys[c][e] = self._run_expert(layer, e, x, idx, weights)
-
-        for e in resident:                         # compute on what is here while the reads run
-            run(e)
+        if not waits:
+            return
+        t0 = time.perf_counter()
         for e in sorted(waits):
-            fut = waits[e]
             try:
-                dt = fut.result()
+                dt = waits[e].result()
             except BaseException:
                 with self.lock:
                     self._forget((layer, e))
@@ -215,20 +226,23 @@ class ExpertCache:
                     self.loading.pop((layer, e), None)
                     self.stats.bytes_read += self.record_bytes
                     self.stats.read_seconds += dt
-            run(e)
+        self.stats.wait_seconds += time.perf_counter() - t0
 
     def _forget(self, key) -> None:
         self.loading.pop(key, None)
-        s = self.slot_of.pop(key, None)
+        s = self.slot_of.get(key)
         if s is not None:
-            self.key_of[s] = None
+            self._unassign(key)
             self.free.append(s)
 
-    def _run_expert(self, layer, e, x, idx, weights):
-        rows, cols = (idx == e).nonzero(as_tuple=True)
-        y = expert_swiglu(x[rows], self._slot_parts(self.slot_of[(layer, e)]), self.fmt, self.shapes,
-                          self.swiglu_limit) * weights[rows, cols, None]
-        return rows, y.to(x.dtype)
+    def _assign(self, key, slot: int) -> None:
+        self.slot_of[key], self.key_of[slot] = slot, key
+        self.slot_map[key[0], key[1]] = slot
+
+    def _unassign(self, key) -> None:
+        slot = self.slot_of.pop(key)
+        self.key_of[slot] = None
+        self.slot_map[key[0], key[1]] = -1
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def resident_count(self) -> int:

@@ -1,7 +1,7 @@
 """What every expert store shares: counters, and rebuilding matrices from a record's parts.
 
-A store answers "apply these experts to these rows" (`apply(layer, x, idx, weights)`); the model never
-sees where the weights live. The one store is runtime/cache.py's ExpertCache.
+The one store is runtime/cache.py's ExpertCache: it makes a layer's experts resident and says in which slab slots
+they sit; layers/moe.py computes them.
 """
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layers.mlp import swiglu_act
 
 
 @dataclass
@@ -20,10 +19,11 @@ class ExpertStats:
     read_seconds: float = 0.0
     evictions: int = 0
     per_layer: dict = field(default_factory=dict)
+    wait_seconds: float = 0.0       # compute waiting for reads (the profile's "expert wait")
 
     def snapshot(self) -> "ExpertStats":
         return ExpertStats(self.hits, self.misses, self.bytes_read, self.read_seconds, self.evictions,
-                           {k: list(v) for k, v in self.per_layer.items()})
+                           {k: list(v) for k, v in self.per_layer.items()}, self.wait_seconds)
 
 
 def parts_of(views: dict[str, torch.Tensor], matrix: str) -> dict[str, torch.Tensor]:
@@ -48,16 +48,3 @@ def prepare_record(parts: dict[str, dict[str, torch.Tensor]], fmt, shapes: dict)
                     raise RuntimeError(f"{fmt.name}: this torch's kernel layout for {m}.{k} ({t.dtype}, {t.numel()}) "
                                        f"differs in size from the stored one; it cannot be repacked in place")
                 p[k].copy_(t.reshape(p[k].shape))
-
-
-def expert_swiglu(x: torch.Tensor, parts: dict[str, dict[str, torch.Tensor]], fmt, shapes: dict,
-                  limit: float | None = None) -> torch.Tensor:
-    """down(silu(gate x) * up x) straight from a record's stored parts (matrix_parts of its views), through the
-    format's own matmul. limit: the config's `swiglu_limit` (clamped SwiGLU, layers/mlp.py swiglu_act); None for
-    the plain form."""
-    dt = x.dtype
-    if fmt.kernel_dtype is not None and dt != fmt.kernel_dtype:
-        x = x.to(fmt.kernel_dtype)     # once per expert, not twice per matrix (the format would cast anyway)
-    g = fmt.linear(x, parts["gate"], shapes["gate"])
-    u = fmt.linear(x, parts["up"], shapes["up"])
-    return fmt.linear(swiglu_act(g, u, limit), parts["down"], shapes["down"]).to(dt)

@@ -25,7 +25,8 @@ from ..errors import WasteError
 from ..units import fmt_bytes as fmt_gb
 
 CEILING = 0.75
-SCRATCH_FIXED = 64 << 20
+SCRATCH_FIXED = 24 << 20       # measured: what loading and one generation add beyond trunk, state and slab on the
+                               # tiny fixtures (tokenizer, allocator pools, thread stacks): tests/test_plan_rss.py
 def ram_bytes() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -94,13 +95,16 @@ def state_bytes(cfg: dict, context: int, dtype: torch.dtype) -> int:
     """KV caches and recurrent state for one sequence of `context` tokens."""
     size = torch.empty(0, dtype=dtype).element_size()
     total = 0
-    for layer in cfg["layers"]:
+    for i, layer in enumerate(cfg["layers"]):
         if layer["attn"] == "gqa":
             g = cfg["gqa"]
             total += 2 * g["num_kv_heads"] * g["head_dim"] * context * size
         elif layer["attn"] == "mla":
             m = cfg["mla"]
             total += (m["kv_lora_rank"] + m["qk_rope_head_dim"]) * context * size
+            d = cfg.get("dsa")
+            if d and d["indexer_types"][i] == "full":     # DSA's indexer: one compressed key per pool
+                total += (context // d["index_kpool"] + 1) * d["index_head_dim"] * size
         elif layer["attn"] == "kda":
             k = cfg["kda"]
             c = k["num_heads"] * k["head_dim"]

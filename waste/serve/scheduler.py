@@ -3,10 +3,11 @@
 Requests wait in arrival order (at most `max_queue` of them; past that `submit` raises QueueFull, which the
 server answers with 503 + Retry-After). Up to `max_batch` run at once, and every step advances each of them by
 one forward: a newcomer's whole prompt (prefill) or a running request's last token (decode). The step is one
-`DecoderModel.forward_batch`, which runs attention and the dense parts per sequence and asks the expert store
-once per MoE layer for the union of the experts all sequences route to (`ExpertCache.apply_many`): one read
-serves every request routed to an expert, and no request's rows share a matmul with another's, so its tokens
-and logits are bit-identical to serving it alone.
+`DecoderModel.step`, the same call Engine.generate makes for a request alone: it runs attention and the dense parts
+per sequence and asks the expert store once per MoE layer for the union of the experts all sequences route to
+(`ExpertCache.resident`): one read serves every request routed to an expert, and no request's rows share a matmul
+with another's, so its tokens and logits are bit-identical to serving it alone. Every family is batched so (GLM-5.3's
+mHC streams plug into the shared step through its block hooks).
 
 A request's text comes back as events through its own `post` callable (the server wraps
 `loop.call_soon_threadsafe` around an asyncio queue): Delta(text, logprobs) as tokens are decided, then one
@@ -157,7 +158,7 @@ class Scheduler:
             items.append((torch.tensor(job.next_ids), job.state, job.pos))
         t0 = time.perf_counter()
         try:
-            logits = self.model.forward_batch(items)
+            logits = self.model.step(items)
         except BaseException as e:     # a damaged record, out of memory...: every request in the step fails
             for job in jobs:
                 self._end(job, None, e)

@@ -1,0 +1,176 @@
+"""The routed experts of a MoE layer as one grouped computation straight from the expert slab; kernels chosen by
+(format kind, device).
+
+The slab (runtime/cache.py) holds fixed-size records; each matrix part is one [slots, ...] tensor view over it
+(`Bank`). A kernel takes the rows x [T, h], the slot of every (row, choice) pair [T, k] and returns each pair's
+expert output [T, k, h] (unweighted): the weighted sum is the caller's (layers/moe.py), so it is taken the same
+way whichever kernel ran. Pairs whose slot is -1 are left zero (their expert is computed in another group when the
+budget cannot hold all of a layer's experts at once).
+
+Two ways to run the pairs, both exact per pair whatever else is in the call:
+- gather: one row per pair (decode): the pairs' matrices are gathered into [P, n, k] and multiplied with one bmm
+  per projection; no Python loop, no host sync. Float formats and q8.
+- segments: rows grouped by expert (prefill, or formats with a per-matrix kernel such as torch's int4): one matmul
+  per distinct expert through the format's own linear, its rows together.
+A CUDA backend registers its own kernels under ("q4", "cuda") etc. without touching layers or models.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .mlp import swiglu_act
+
+MATRICES = ("gate", "up", "down")
+
+
+@dataclass
+class Bank:
+    """A layer-independent view of the expert slab: per matrix, its parts as [slots, ...] tensors (suffix "" for a
+    float matrix, "q" / "scale" / ... for a quantized one), the matrix shapes, the format, and `gate_up`: gate and
+    up as one [slots, 2 * inter, h] view when the record stores them back to back in a float format."""
+    parts: dict[str, dict[str, torch.Tensor]]
+    shapes: dict[str, tuple[int, int]]
+    fmt: object
+    limit: float | None = None
+    gate_up: torch.Tensor | None = None
+    _by_slot: dict = field(default_factory=dict)
+
+    def slot_parts(self, slot: int) -> dict[str, dict[str, torch.Tensor]]:
+        """One slot's matrices (views; made once per slot, the slab never moves)."""
+        p = self._by_slot.get(slot)
+        if p is None:
+            p = self._by_slot[slot] = {m: {k: v[slot] for k, v in ps.items()} for m, ps in self.parts.items()}
+        return p
+
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, Bank], torch.Tensor]
+_KERNELS: dict[tuple[str, str], Kernel] = {}
+
+
+def register(kind: str, device: str):
+    def deco(fn: Kernel) -> Kernel:
+        _KERNELS[(kind, device)] = fn
+        return fn
+    return deco
+
+
+def kernel_for(fmt, device: torch.device | str) -> Kernel:
+    """The pairs kernel for this format on this device: its own, else its kind's (float / q8), else segments."""
+    dev = torch.device(device).type
+    for key in ((fmt.name, dev), (fmt.kind or fmt.name, dev)):
+        if key in _KERNELS:
+            return _KERNELS[key]
+    return segments
+
+
+def expert_rows(x: torch.Tensor, parts: dict, bank: Bank) -> torch.Tensor:
+    """down(act(gate x, up x)) of one expert's rows through the format's own matmul, in x's dtype."""
+    fmt, sh, dt = bank.fmt, bank.shapes, x.dtype
+    if fmt.kernel_dtype is not None and dt != fmt.kernel_dtype:
+        x = x.to(fmt.kernel_dtype)     # once per expert, not once per matrix
+    g = fmt.linear(x, parts["gate"], sh["gate"])
+    u = fmt.linear(x, parts["up"], sh["up"])
+    return fmt.linear(swiglu_act(g, u, bank.limit), parts["down"], sh["down"]).to(dt)
+
+
+def segments(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
+    """Rows grouped by expert: one call of the format's matmul per distinct slot, over all its rows."""
+    T, k = slots.shape
+    out = x.new_zeros(T, k, x.shape[-1])
+    flat = slots.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    start = 0
+    flat_out = out.view(T * k, -1)
+    for s, n in zip(uniq.tolist(), counts.tolist()):
+        pairs = order[start:start + n]
+        start += n
+        if s < 0:
+            continue
+        flat_out[pairs] = expert_rows(x[pairs // k], bank.slot_parts(s), bank)
+    return out
+
+
+def _gather(x: torch.Tensor, slots: torch.Tensor, bank: Bank, mv) -> torch.Tensor:
+    """One row (T == 1) against each of its k pairs' experts: mv(matrix, slots, vectors [P, n_in]) -> [P, n_out]
+    multiplies each pair's matrix by its vector (a gather and one bmm)."""
+    T, k = slots.shape
+    if T != 1:
+        return segments(x, slots, bank)
+    flat = slots.reshape(-1)
+    xr = x.expand(k, -1)
+    if bank.gate_up is not None:
+        w = bank.gate_up[flat]
+        gu = torch.bmm(w if w.dtype == x.dtype else w.to(x.dtype), xr.unsqueeze(-1)).squeeze(-1)
+        inter = gu.shape[-1] // 2
+        g, u = gu[:, :inter], gu[:, inter:]
+    else:
+        g, u = mv("gate", flat, xr), mv("up", flat, xr)
+    return mv("down", flat, swiglu_act(g, u, bank.limit)).view(T, k, -1)
+
+
+@register("float", "cpu")
+def gather_float(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
+    def mv(m, flat, v):
+        w = bank.parts[m][""][flat]          # stored bf16 and computed in float32: widened after the gather
+        return torch.bmm(w if w.dtype == v.dtype else w.to(v.dtype), v.unsqueeze(-1)).squeeze(-1)
+    return _gather(x, slots, bank, mv)
+
+
+@register("q8", "cpu")
+def gather_q8(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
+    """The pairs' int8 codes gathered and widened to float32, multiplied, the row scales applied to the output:
+    the q8 format's own float32 arithmetic (docs/LEARNED.md §5b), one bmm per projection."""
+    if x.dtype != torch.float32:
+        return segments(x, slots, bank)
+
+    def mv(m, flat, v):
+        p = bank.parts[m]
+        return torch.bmm(p["q"][flat].float(), v.unsqueeze(-1)).squeeze(-1) * p["scale"][flat]
+    return _gather(x, slots, bank, mv)
+
+
+@register("q4", "cpu")
+@register("mxfp4", "cpu")
+@register("vq3", "cpu")
+def per_pair(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
+    """Formats whose matmul takes one matrix at a time (torch's int4 kernel, the numba LUT kernels): at one row,
+    each pair through it in turn, the row cast to the kernel's dtype once."""
+    T, k = slots.shape
+    if T != 1:
+        return segments(x, slots, bank)
+    fmt, sh, dt = bank.fmt, bank.shapes, x.dtype
+    xk = x if fmt.kernel_dtype in (None, dt) else x.to(fmt.kernel_dtype)
+    ys = []
+    for s in slots[0].tolist():
+        p = bank.slot_parts(s)
+        h = swiglu_act(fmt.linear(xk, p["gate"], sh["gate"]), fmt.linear(xk, p["up"], sh["up"]), bank.limit)
+        ys.append(fmt.linear(h, p["down"], sh["down"]))
+    return torch.stack(ys, 1).to(dt)
+
+
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * y[t, k] in float32 (routing weights are float32), in y's dtype."""
+    out = torch.bmm(weights.unsqueeze(1), y if y.dtype == torch.float32 else y.float()).squeeze(1)
+    return out if out.dtype == y.dtype else out.to(y.dtype)
+
+
+def routed_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, bank: Bank, kernel: Kernel,
+                   complete: bool = True) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{slots[t, k]}(x[t]): x [T, h], slots and weights [T, k]. complete=False: some
+    slots are -1 (this group of the layer's experts does not hold them); their pairs contribute nothing here."""
+    y = kernel(x, slots, bank) if complete else segments(x, slots, bank)
+    return weighted_sum(y, weights)
+
+
+def check_gather_exact() -> bool:
+    """bmm of one pair alone and inside a larger batch give the same bits (the batch-composition rule)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 32, 48, generator=g)
+    x = torch.randn(6, 48, 1, generator=g)
+    return torch.equal(torch.bmm(w, x)[2], torch.bmm(w[2:3], x[2:3])[0])
+
+
