@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..container.bank import BankWriter, RecordLayout
-from ..container.manifest import FORMAT_NAME, FORMAT_VERSION, TRUNK_FILE, bank_file, write_manifest
+from ..container.manifest import FORMAT_NAME, FORMAT_VERSION, TRUNK_FILE, bank_file, file_table, write_manifest
 from ..container.trunk import TrunkWriter
 from ..errors import WasteError
 from ..quant.formats import DEFAULT_EXPERTS, DEFAULT_TRUNK, get_format
@@ -104,6 +104,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "auto
         manifest["text"] = text.install(tmp)
         manifest["provenance"] = {"source": str(src), "converter": f"waste {__version__}",
                                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        manifest["files"] = file_table(tmp, manifest)
         write_manifest(tmp, manifest)
         if out.exists():
             shutil.rmtree(out)
