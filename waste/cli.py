@@ -208,7 +208,8 @@ def cmd_run(a):
     from pathlib import Path
 
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else (a.args[0], " ".join(a.args[1:]))
-    if model is not None and not Path(model).expanduser().exists():
+    if model is not None and not Path(model).expanduser().exists() and "/" not in model \
+            and not model.endswith(".waste"):
         raise WasteError(f"no such model: {model}. If {' '.join(a.args)!r} is the prompt, quote it: "
                          f"waste run {shlex.quote(' '.join(a.args))}")
     check_run_args(a)

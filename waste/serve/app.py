@@ -10,7 +10,7 @@ a Job on the scheduler (scheduler.py) and read its events from an asyncio queue;
 cancels its job, which stops within one decode step.
 
 A hostile client costs bounded time and memory: bodies past `max_body` are refused with 413 before they are
-read (FastAPI's own limit), prompts are tokenized on a worker thread and a prompt far past the context is refused
+read whole (RefuseLarge), prompts are tokenized on a worker thread and a prompt far past the context is refused
 after tokenizing a prefix of it, and memory freed by a large body goes back to the system. SIGTERM drains: the
 port closes, running requests get `grace` seconds to finish, and whatever is left ends with an error event.
 """
@@ -225,6 +225,46 @@ def release_memory() -> None:
         _MALLOC_TRIM(0)
 
 
+class RefuseLarge:
+    """A body over the limit gets 413 in the API's shape, never read whole: a Content-Length over it is refused before
+    a byte is read; a chunked body is held (at most the limit) and refused once it grows past it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _refuse(self, what: str):
+        return APIError(413, f"the request body is {what}, over the server's limit of {self.limit} bytes (waste serve "
+                             "--max-body)", None, "request_too_large", headers={"Connection": "close"}).response()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:            # uvicorn holds the body to its declared length
+            if length.strip().isdigit() and int(length) > self.limit:
+                return await self._refuse(f"{int(length)} bytes")(scope, receive, send)
+            return await self.app(scope, receive, send)
+        held, size = [], 0
+        while True:                       # chunked (or no body): read it here, up to the limit
+            msg = await receive()
+            held.append(msg)
+            if msg["type"] != "http.request":
+                break
+            size += len(msg.get("body", b""))
+            if size > self.limit:
+                held.clear()
+                return await self._refuse(f"more than {self.limit} bytes")(scope, receive, send)
+            if not msg.get("more_body"):
+                break
+        held.reverse()
+
+        async def replay():
+            return held.pop() if held else await receive()
+
+        await self.app(scope, replay, send)
+
+
 class ReleaseAfterLarge:
     """After a request whose body was large, release_memory() on a worker thread."""
 
@@ -282,7 +322,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.close()
 
     app = FastAPI(title="waste", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, max_body_size=state.max_body)
+                  openapi_url=None)
     app.state.waste = state
 
     @app.exception_handler(APIError)
@@ -312,9 +352,6 @@ def create_app(state: ServerState) -> FastAPI:
         if e.status_code == 405:
             return APIError(405, f"{request.method} is not allowed on {request.url.path}", None,
                             "method_not_allowed").response()
-        if e.status_code == 413:
-            return APIError(413, f"the request body is over the server's limit of {state.max_body} bytes "
-                                 "(waste serve --max-body)", None, "request_too_large").response()
         if e.status_code == 400:      # FastAPI could not read the body: not UTF-8, or JSON nested too deep
             return bad_request("the body could not be read as JSON: it must be UTF-8 text, nested at most a few "
                                "hundred levels deep").response()
@@ -463,9 +500,11 @@ def create_app(state: ServerState) -> FastAPI:
             return await stream.respond(job, shaper)
         return await stream.collect(job, shaper)
 
+    app.add_middleware(ReleaseAfterLarge)
     if state.api_key:
         app.add_middleware(APIKeyAuth, key=state.api_key)
-    app.add_middleware(CountRequests, metrics=state.metrics)     # outermost: counts the 401s too
+    app.add_middleware(RefuseLarge, limit=state.max_body)
+    app.add_middleware(CountRequests, metrics=state.metrics)     # outermost: counts the 401s and 413s too
     return app
 
 
