@@ -29,13 +29,14 @@ def check_run_args(a) -> None:
     check(params.engine, a.context, a.threads)
 
 
-def model_path(model):
-    """MODEL as given, or the default model's container (converted into the user cache on first use)."""
+def model_path(model, check: bool = True):
+    """MODEL as given, or the default model's container (converted into the user cache on first use; rebuilt when
+    it fails its checks, unless `check` is off: `waste verify` reports what it finds instead)."""
     if model is not None:
         return model
     from .default_model import default_model_path
 
-    return default_model_path()
+    return default_model_path(check=check)
 
 
 def _fmt_count(n: float) -> str:
@@ -88,7 +89,7 @@ def cmd_info(a):
 def cmd_verify(a):
     from .container.verify import verify
 
-    path = model_path(a.model)
+    path = model_path(a.model, check=False)
     notes: list[str] = []
     problems = verify(path, progress=not a.quiet, notes=notes)
     for n in notes:
