@@ -1,6 +1,6 @@
 """`waste serve` soaked: N requests (default 1000) at C concurrent (default 16), with the server's RSS sampled before
-and after, plus a hostile phase: oversize bodies (declared and chunked) and prompts far past the context sent while
-/health is timed. Not a test (tests/test_serve_hardening.py holds the bounded checks); docs/LEARNED.md §8 has the
+and after, plus a hostile phase: oversize bodies (declared and chunked), and prompts far past the context sent while /health is
+timed. Not a test (tests/test_serve_hardening.py holds the bounded checks); docs/LEARNED.md §8 has the
 figures.
 
     python benchmarks/serve_soak.py                       # the default model, 1000 requests, 16 at a time
@@ -87,20 +87,37 @@ async def soak(url: str, n: int, c: int, start_at: int = 0) -> tuple[list[str], 
         return out, time.perf_counter() - t0
 
 
-def oversize(url: str, rounds: int = 20) -> dict:
-    """Declared (Content-Length 200 MB, never sent) and chunked (20 MB offered) bodies while /health is timed."""
+def hostile(url: str) -> dict:
+    """/health timed alone, then while oversize bodies are refused (Content-Length 200 MB never sent; 20 MB offered
+    chunked), and while 3.9 MB prompts far past the context are refused, by /v1/completions and by /tokenize."""
     host, port = url.removeprefix("http://").split(":")
-    lat, stop = [], threading.Event()
+    ms = lambda xs: f"median {statistics.median(xs) * 1e3:.1f} ms, max {max(xs) * 1e3:.1f} ms"   # noqa: E731
 
-    def probe():
-        while not stop.is_set():
+    def timed(fn, at_least: float = 3.0) -> tuple[list[float], float]:
+        """fn run again and again for at_least seconds while /health is probed: the probe latencies and the
+        seconds one run of fn took (median)."""
+        lat, stop = [], threading.Event()
+
+        def probe():
+            with httpx.Client(timeout=60) as c:
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    c.get(url + "/health")
+                    lat.append(time.perf_counter() - t)
+                    time.sleep(0.01)
+
+        th = threading.Thread(target=probe, daemon=True)
+        th.start()
+        runs, end = [], time.perf_counter() + at_least
+        while time.perf_counter() < end or not runs:
             t = time.perf_counter()
-            httpx.get(url + "/health", timeout=30)
-            lat.append(time.perf_counter() - t)
-            time.sleep(0.01)
+            fn()
+            runs.append(time.perf_counter() - t)
+        stop.set()
+        th.join()
+        return lat, statistics.median(runs)
 
-    def post(headers: str, pieces) -> float:
-        t = time.perf_counter()
+    def post(headers: str, pieces) -> None:
         with socket.create_connection((host, int(port)), timeout=60) as s:
             s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}\r\n"
                       .encode())
@@ -110,24 +127,29 @@ def oversize(url: str, rounds: int = 20) -> dict:
             except OSError:
                 pass
             assert b" 413 " in s.recv(4096)
-        return time.perf_counter() - t
 
-    base = []
-    for _ in range(50):
-        t = time.perf_counter()
-        httpx.get(url + "/health", timeout=30)
-        base.append(time.perf_counter() - t)
-    th = threading.Thread(target=probe, daemon=True)
-    th.start()
     mb = b"x" * (1 << 20)
-    declared = [post("Content-Length: 200000000\r\n", [b"{"]) for _ in range(rounds)]
-    chunked = [post("Transfer-Encoding: chunked\r\n", (b"%x\r\n%s\r\n" % (len(mb), mb) for _ in range(20)))
-               for _ in range(rounds)]
-    stop.set()
-    th.join()
-    ms = lambda xs: f"median {statistics.median(xs) * 1e3:.1f} ms, max {max(xs) * 1e3:.1f} ms"   # noqa: E731
-    return {"health alone": ms(base), "health during": ms(lat), "413 declared": ms(declared),
-            "413 chunked 20 MB": ms(chunked)}
+    big = "def f(x):\n    return x + 1\n" * 140_000            # 3.9 MB
+    out = {}
+    lat, _ = timed(lambda: time.sleep(0.1))
+    out["/health alone"] = ms(lat)
+    lat, took = timed(lambda: post("Content-Length: 200000000\r\n", [b"{"]))
+    out[f"/health during declared 200 MB bodies (413 each in {took * 1e3:.1f} ms)"] = ms(lat)
+    lat, took = timed(lambda: post("Transfer-Encoding: chunked\r\n",
+                                   (b"%x\r\n%s\r\n" % (len(mb), mb) for _ in range(20))))
+    out[f"/health during chunked 20 MB bodies (413 each in {took * 1e3:.1f} ms)"] = ms(lat)
+    with httpx.Client(base_url=url, timeout=600) as c:
+        def past_context():
+            r = c.post("/v1/completions", json={"prompt": big})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        lat, took = timed(past_context)
+        out[f"/health during 3.9 MB prompts past the context (400 each in {took * 1e3:.0f} ms)"] = ms(lat)
+        lat, took = timed(lambda: c.post("/tokenize", json={"prompt": big}).status_code == 400 or 1 / 0)
+        out[f"/health during /tokenize of 3.9 MB, past the context (400 each in {took * 1e3:.0f} ms)"] = ms(lat)
+        fits = big[:7000]                   # under (context + 1) * 8 characters: tokenized whole
+        lat, took = timed(lambda: c.post("/tokenize", json={"prompt": fits}).raise_for_status())
+        out[f"/health during /tokenize of 7 KB ({took * 1e3:.0f} ms each)"] = ms(lat)
+    return out
 
 
 def main() -> None:
@@ -135,23 +157,29 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default=None)
     ap.add_argument("-n", type=int, default=1000)
     ap.add_argument("-c", type=int, default=16)
+    ap.add_argument("--hostile-only", action="store_true", help="skip the soak")
     a = ap.parse_args()
     proc, url = start(a.model, ["--max-queue", str(max(64, a.c * 2))])
     try:
-        warm, _ = asyncio.run(soak(url, a.c * 4, a.c))
+        warm, _ = asyncio.run(soak(url, a.c * 4, a.c)) if not a.hostile_only else (["ok"], 0)
         assert all(r == "ok" for r in warm), [r for r in warm if r != "ok"][:5]
         before = rss(proc.pid)
-        got, dt = asyncio.run(soak(url, a.n, a.c, start_at=a.c * 4))
-        after = rss(proc.pid)
+        got, dt, series = [], 0.0, []
+        n = a.n if not a.hostile_only else 0
+        for q in range(4):                  # in quarters, RSS after each: growth that goes on is a leak
+            part, t = asyncio.run(soak(url, n // 4, a.c, start_at=a.c * 4 + q * (n // 4)))
+            got, dt = got + part, dt + t
+            series.append(rss(proc.pid))
+        after = series[-1]
         bad = [r for r in got if r != "ok"]
-        print(f"{a.n} requests, {a.c} concurrent: {dt:.1f} s ({a.n / dt:.1f} req/s), {len(bad)} failed"
+        print(f"{len(got)} requests, {a.c} concurrent: {dt:.1f} s ({len(got) / max(dt, 1e-9):.1f} req/s), {len(bad)} failed"
               + (f": {bad[:5]}" if bad else ""))
-        print(f"server RSS after warm-up {before / 2**20:.1f} MiB, after the soak {after / 2**20:.1f} MiB "
-              f"({(after - before) / 2**20:+.1f} MiB)")
+        print(f"server RSS after warm-up {before / 2**20:.1f} MiB; after each quarter "
+              + ", ".join(f"{x / 2**20:.1f}" for x in series) + f" MiB ({(after - before) / 2**20:+.1f} MiB)")
         before = rss(proc.pid)
-        for k, v in oversize(url).items():
+        for k, v in hostile(url).items():
             print(f"{k}: {v}")
-        print(f"server RSS after the oversize bodies {rss(proc.pid) / 2**20:.1f} MiB "
+        print(f"server RSS after the hostile bodies {rss(proc.pid) / 2**20:.1f} MiB "
               f"({(rss(proc.pid) - before) / 2**20:+.1f} MiB)")
     finally:
         proc.terminate()
