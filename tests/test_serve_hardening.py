@@ -85,6 +85,9 @@ def test_a_prompt_far_past_the_context_is_refused_by_its_start(http):
     assert err["code"] == "context_length_exceeded" and "more than" in err["message"]
     r = http.post("/v1/completions", json={"prompt": "word " * 200, "max_tokens": 4})       # exact count: near it
     assert error_of(r, 400, "prompt")["code"] == "context_length_exceeded"
+    r = http.post("/tokenize", json={"prompt": "word " * 12000})                            # /tokenize too
+    assert error_of(r, 400, "prompt")["code"] == "context_length_exceeded"
+    assert http.post("/tokenize", json={"prompt": "word " * 100}).json()["count"] > 0
 
 
 def _raw_post(url: str, headers: list[str], chunks, timeout: float = 20.0) -> tuple[int, float]:
