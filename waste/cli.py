@@ -189,13 +189,13 @@ def cmd_serve(a):
         raise WasteError("--max-body must be at least 1K (a request is a JSON body)")
     if not a.shutdown_grace >= 0:
         raise WasteError("--shutdown-grace must be 0 or more seconds")
-    if a.model is not None:   # a bad path or a damaged manifest is refused before the port is bound
-        from .container import open_container
-
-        open_container(a.model).close()
     from .serve.listen import bind
 
     sock = bind(a.host, a.port)   # before the slow imports: connections wait in the backlog, never refused
+    if a.model is not None:       # a bad path or a damaged manifest: an error now, not a server that fails later
+        from .container import open_container
+
+        open_container(a.model).close()
     from .serve.app import serve
 
     key = a.api_key or os.environ.get("WASTE_API_KEY") or None
