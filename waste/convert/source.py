@@ -40,12 +40,13 @@ def read_config(src: Path) -> dict:
 
 
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-         "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
-         "num_experts_per_tok", "num_experts_per_token", "max_position_embeddings", "kv_lora_rank", "q_lora_rank",
-         "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "decoder_sparse_step")
-COUNTS = ("n_shared_experts", "num_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
-          "num_expert_group", "num_nextn_predict_layers")
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+         "moe_intermediate_size", "num_experts_per_tok", "num_experts_per_token", "max_position_embeddings",
+         "decoder_sparse_step")
+COUNTS = ("num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank",
+          "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_shared_experts",
+          "num_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "num_expert_group",
+          "num_nextn_predict_layers")   # 0 is meaningful (GLM-5.3's qk_rope_head_dim, a dense model's experts)
 REALS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
 
 
