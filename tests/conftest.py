@@ -6,7 +6,6 @@ import pytest
 sys.modules.setdefault("fla", None)
 sys.path.insert(0, str(Path(__file__).parent))
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"   # release chat templates (SOURCES.md)
 QWEN3 = TEMPLATES / "Qwen-Qwen3-0.6B.jinja"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

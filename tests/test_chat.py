@@ -18,9 +18,9 @@ from waste.engine import Generation
 from waste.text.parsers import Content, Reasoning, ToolCall
 from waste.text.tokenizer import load_tokenizer
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"   # release chat templates (SOURCES.md)
 QWEN3 = TEMPLATES / "Qwen-Qwen3-0.6B.jinja"
-needs_qwen3 = pytest.mark.skipif(not QWEN3.is_file(), reason=f"{QWEN3} is absent (shared/ sits beside the repo)")
+needs_qwen3 = pytest.mark.skipif(not QWEN3.is_file(), reason=f"{QWEN3} is absent (tests/data/templates is incomplete)")
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -26,10 +26,14 @@ TOOL_TEMPLATE = "{{ tools | tojson }}<tool_call>" + TEMPLATE
 
 def release(tmp_path, releases, family, specials=None, name="src"):
     """A copy of the family's fixture release, with a tokenizer carrying `specials` when given."""
-    if family not in releases:
-        pytest.skip(f"no {family} release among the conftest fixtures")
     dst = tmp_path / name
-    shutil.copytree(releases[family][1], dst)
+    if family in releases:
+        shutil.copytree(releases[family][1], dst)
+    else:        # glm5_next is not among conftest's session releases (few tests need it): built here
+        from fixtures import save_release
+        from test_oracle_glm5 import glm5_model
+
+        save_release(glm5_model(), dst)
     if specials is not None:
         write_tokenizer(dst, TOKENIZER_TEXT, vocab_size=300, specials=tuple(specials))
     return dst

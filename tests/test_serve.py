@@ -12,7 +12,7 @@ import pytest
 from serve_util import QWEN3, TOOLS, ProcessServer, metric, qwen3_container, rss_bytes, sse_events
 
 KEY = "sk-test-waste"
-pytestmark = pytest.mark.skipif(not QWEN3.is_file(), reason=f"{QWEN3} is absent (shared/ sits beside the repo)")
+pytestmark = pytest.mark.skipif(not QWEN3.is_file(), reason=f"{QWEN3} is absent (tests/data/templates is incomplete)")
 HI = [{"role": "user", "content": "Hello there"}]
 
 

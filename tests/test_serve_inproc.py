@@ -15,7 +15,7 @@ import waste
 from waste.engine import Decoding
 from waste.serve.app import ServerState
 
-needs_qwen3 = pytest.mark.skipif(not QWEN3.is_file(), reason=f"{QWEN3} is absent (shared/ sits beside the repo)")
+needs_qwen3 = pytest.mark.skipif(not QWEN3.is_file(), reason=f"{QWEN3} is absent (tests/data/templates is incomplete)")
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 

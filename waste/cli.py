@@ -5,9 +5,38 @@ import argparse
 import json
 import sys
 
-from . import __version__
+from . import __version__, params
 from .errors import WasteError
 from .units import fmt_bytes as _fmt_bytes
+
+# waste/params.py names a parameter as the server does; the CLI says it as its flag
+FLAGS = {"max_tokens": "-n", "temperature": "--temperature", "top_p": "--top-p", "min_p": "--min-p",
+         "seed": "--seed", "context": "--context", "threads": "--threads"}
+
+
+def check(fn, *args, **kw):
+    """Call a waste/params.py check; its ParamError comes back as a WasteError naming the flag."""
+    try:
+        return fn(*args, **kw)
+    except params.ParamError as e:
+        raise WasteError(e.message(FLAGS.get(e.param))) from None
+
+
+def check_run_args(a) -> None:
+    """The sampling and engine flags of run and chat, before anything loads: the server's own limits."""
+    check(params.max_tokens, a.n)
+    check(params.sampling, a.temperature, a.top_p, 0, a.min_p, a.seed)
+    check(params.engine, a.context, a.threads)
+
+
+def model_path(model, check: bool = True):
+    """MODEL as given, or the default model's container (converted into the user cache on first use; rebuilt when
+    it fails its checks, unless `check` is off: `waste verify` reports what it finds instead)."""
+    if model is not None:
+        return model
+    from .default_model import default_model_path
+
+    return default_model_path(check=check)
 
 
 def _fmt_count(n: float) -> str:
@@ -34,17 +63,21 @@ def cmd_info(a):
     from .container import open_container
     from .container.info import describe
 
-    c = open_container(a.model)
+    c = open_container(model_path(a.model))
     d = describe(c)
+    if a.model is None:
+        d["default_model"] = True
     if a.json:
         print(json.dumps(d, indent=1))
         return
-    rows = [("model", str(c.root)), ("family", d["family"]), ("layers", d["layers_summary"]),
+    where = " (the default model: the user cache; WASTE_CACHE_DIR moves it)" if a.model is None else ""
+    rows = [("model", str(c.root) + where), ("family", d["family"]), ("layers", d["layers_summary"]),
             ("experts", d["experts_summary"]),
             *[("features" if i == 0 else "", f) for i, f in enumerate(d["features"])],
             ("parameters", f"{_fmt_count(d['params']['total'])} total, {_fmt_count(d['params']['active'])} active per token"),
-            ("trunk", f"{_fmt_bytes(d['trunk_bytes'])} ({d['trunk_format']}, norms/router/gates in f32)"),
-            ("expert banks", f"{_fmt_bytes(d['bank_bytes'])} in {d['moe_layers']} files ({d['expert_format']}, "
+            ("trunk", f"{_fmt_bytes(d['trunk_bytes'])} on disk ({d['trunk_format']}, norms/router/gates in f32; "
+                      "`waste plan` gives its size in memory, in the compute dtype)"),
+            ("expert banks", f"{_fmt_bytes(d['bank_bytes'])} on disk in {d['moe_layers']} files ({d['expert_format']}, "
                              f"{_fmt_bytes(d['record_bytes'])} per expert record)"),
             ("tokenizer", d["tokenizer"] or "none"), ("chat", d["chat"] or "none"),
             ("converted", d["provenance"])]
@@ -56,13 +89,23 @@ def cmd_info(a):
 def cmd_verify(a):
     from .container.verify import verify
 
-    problems = verify(a.model, progress=not a.quiet)
+    path = model_path(a.model, check=False)
+    notes: list[str] = []
+    problems = verify(path, progress=not a.quiet, notes=notes)
+    for n in notes:
+        print(f"note: {n}")
     if problems:
         for p in problems:
             print(f"DAMAGED: {p}")
-        print(f"{len(problems)} problem(s) found in {a.model}: re-convert the model from its release")
+        if a.model is None:
+            from .default_model import rebuild_hint
+
+            print(f"{len(problems)} problem(s) found in {path}: {rebuild_hint(path)}")
+        else:
+            print(f"{len(problems)} problem(s) found in {path}: re-convert the model from its release "
+                  f"(waste convert SRC {path} --force)")
         sys.exit(1)
-    print(f"OK: every checksum in {a.model} matches")
+    print(f"OK: every checksum in {path} matches")
 
 
 def _load(a, model):
@@ -74,7 +117,8 @@ def _load(a, model):
 
 def _engine_args(p):
     p.add_argument("--budget", default=None, help="expert cache size (bytes or K/M/G suffix); default: the memory plan")
-    p.add_argument("--context", type=int, default=4096, help="context length the memory plan reserves (default 4096)")
+    p.add_argument("--context", type=int, default=4096, help="context length the memory plan reserves (default 4096; "
+                   "the model's own max_position_embeddings caps it)")
     p.add_argument("--threads", type=int, default=4, help="expert reader threads (default 4)")
     p.add_argument("--no-preload", action="store_true",
                    help="no background fill of the cache when the whole bank fits (also WASTE_PRELOAD=0)")
@@ -92,13 +136,19 @@ def cmd_plan(a):
     from .runtime.plan import plan_memory
     from .units import parse_size
 
-    c = open_container(a.model)
+    check(params.engine, a.context, 1)
+    c = open_container(model_path(a.model))
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
                     None if a.budget is None else parse_size(a.budget))
     if a.json:
         print(json.dumps(p.to_json(), indent=1))
     else:
-        print("\n".join(p.lines()))
+        lines = p.lines()      # the floor counts the trunk in memory; `waste info` gives its size on disk
+        at = next((i + 1 for i, l in enumerate(lines) if l.startswith("floor")), len(lines))
+        dt = str(resolve_dtype(a.dtype, c)).removeprefix("torch.")
+        lines.insert(at, f"{'trunk':<16}{_fmt_bytes(p.trunk_bytes)} in memory ({dt} compute, f32 norms/routers), "
+                         f"{_fmt_bytes(c.manifest['trunk']['bytes'])} on disk ({c.manifest['trunk']['format']})")
+        print("\n".join(lines))
     if p.warning:
         print(f"waste: warning: {p.warning}", file=sys.stderr)
     del torch
@@ -107,6 +157,10 @@ def cmd_plan(a):
 def cmd_bench(a):
     from .runtime.bench import bench, report_lines
 
+    check(params.max_tokens, a.n)
+    check(params.engine, a.context, a.threads)
+    if a.prompt_len < 1:
+        raise WasteError("--prompt-len must be a positive number of tokens")
     eng = _load(a, a.model)
     try:
         r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing, profile=a.profile)
@@ -118,31 +172,64 @@ def cmd_bench(a):
 def cmd_chat(a):
     from .chat_cli import cmd_chat as chat
 
+    check_run_args(a)
     chat(a, _load)
 
 
 def cmd_serve(a):
-    from .serve.app import serve
+    import os
+
+    from .units import parse_size
 
     if a.max_queue < 0 or a.max_batch < 1:
         raise WasteError("--max-queue must be 0 or more and --max-batch 1 or more")
-    import os
+    check(params.engine, a.context, a.threads)
+    max_body = parse_size(a.max_body)
+    if max_body < 1024:
+        raise WasteError("--max-body must be at least 1K (a request is a JSON body)")
+    if not a.shutdown_grace >= 0:
+        raise WasteError("--shutdown-grace must be 0 or more seconds")
+    from .serve.listen import bind
 
-    if a.model is not None:   # a bad path or a damaged manifest is refused before the port is bound
+    sock = bind(a.host, a.port)   # before the slow imports: connections wait in the backlog, never refused
+    if a.model is not None:       # a bad path or a damaged manifest: an error now, not a server that fails later
         from .container import open_container
 
         open_container(a.model).close()
+    from .serve.app import serve
+
     key = a.api_key or os.environ.get("WASTE_API_KEY") or None
     serve(a.model, host=a.host, port=a.port, api_key=key, max_queue=a.max_queue, max_batch=a.max_batch,
-          model_name=a.model_name, load=lambda model: _load(a, model))
+          model_name=a.model_name, load=lambda model: _load(a, model), sock=sock, max_body=max_body,
+          grace=a.shutdown_grace)
 
 
 def cmd_run(a):
+    import shlex
+    from pathlib import Path
+
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else (a.args[0], " ".join(a.args[1:]))
+    if model is not None and not Path(model).expanduser().exists() and "/" not in model \
+            and not model.endswith(".waste"):
+        raise WasteError(f"no such model: {model}. If {' '.join(a.args)!r} is the prompt, quote it: "
+                         f"waste run {shlex.quote(' '.join(a.args))}")
+    check_run_args(a)
     eng = _load(a, model)
     if eng.plan.warning:
         print(f"waste: warning: {eng.plan.warning}", file=sys.stderr)
-    g = eng.generate(prompt, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, min_p=a.min_p,
+    from .chat import context_length
+
+    ids = eng.encode(prompt)
+    ctx = context_length(eng)
+    try:
+        params.room(len(ids), a.n, ctx, strict=True)
+    except params.ParamError as e:
+        positions = eng.container.config.get("max_position_embeddings")
+        why = (f"the model's max_position_embeddings" if positions and positions <= a.context
+               else "--context")
+        raise WasteError(f"{e.message(FLAGS.get(e.param))} ({why}): lower -n, shorten the prompt"
+                         + (" or raise --context" if why == "--context" else "")) from None
+    g = eng.generate(ids, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, min_p=a.min_p,
                      seed=a.seed, stop=a.stop, stream=True)
     sys.stdout.write(prompt)
     sys.stdout.flush()
@@ -175,9 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(require), or install none")
     c.set_defaults(fn=cmd_convert)
 
-    r = sub.add_parser("run", help="generate text from a prompt", description=(
-        "waste run [MODEL] PROMPT: with one argument it is the prompt and the default model is used."))
-    r.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
+    r = sub.add_parser("run", help="generate text from a prompt", usage="waste run [MODEL] PROMPT [options]",
+                       description="waste run [MODEL] PROMPT: with one argument it is the prompt and the default model "
+                                   "is used. Quote a prompt of several words.")
+    r.add_argument("args", nargs="+", metavar="MODEL PROMPT", help="the model's container (optional) and the prompt")
     r.add_argument("-n", type=int, default=128, help="tokens to generate (default 128)")
     # Sampling by default, with a fixed seed: small models loop under greedy decoding, and a fixed seed keeps
     # the same command printing the same text (docs/LEARNED.md §4). --temperature 0 is greedy.
@@ -208,8 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API", description=(
         "waste serve [MODEL]: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /tokenize, "
-        "/detokenize (the default model when MODEL is omitted). The port is bound at once; /health answers 503 "
-        "until the model is loaded."))
+        "/detokenize (the default model when MODEL is omitted). The port is bound at once (a connection waits a few "
+        "seconds for the server to start, never refused); /health answers 503 until the model is loaded. SIGTERM "
+        "drains: see --shutdown-grace."))
     sv.add_argument("model", nargs="?", default=None)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -221,11 +310,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests generated at once; their decode steps share expert reads (default 8)")
     sv.add_argument("--model-name", default=None, help="the model id /v1/models reports (default: the container's "
                     "name without .waste)")
+    sv.add_argument("--max-body", default="4M", metavar="SIZE",
+                    help="largest request body (bytes or K/M suffix); a larger one gets 413 unread (default 4M)")
+    sv.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                    help="on SIGTERM, how long running requests may finish before they are ended with an error "
+                         "event (default 30)")
     _engine_args(sv)
     sv.set_defaults(fn=cmd_serve)
 
     pl = sub.add_parser("plan", help="print the memory plan: floor, working set, bank, the chosen expert budget")
-    pl.add_argument("model")
+    pl.add_argument("model", nargs="?", default=None, help="default: the bundled default model")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--ram", default=None, help="plan as if the machine had this much memory")
     pl.add_argument("--context", type=int, default=4096)
@@ -234,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=cmd_plan)
 
     b = sub.add_parser("bench", help="measure prefill and decode speed, cache hit rate and bytes read")
-    b.add_argument("model")
+    b.add_argument("model", nargs="?", default=None, help="default: the bundled default model")
     b.add_argument("-n", type=int, default=64, help="tokens to decode (default 64)")
     b.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     b.add_argument("--json", action="store_true")
@@ -251,15 +345,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_bench)
 
     i = sub.add_parser("info", help="describe a container")
-    i.add_argument("model")
+    i.add_argument("model", nargs="?", default=None, help="default: the bundled default model (says where it lives)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_info)
 
     v = sub.add_parser("verify", help="check every checksum of a container and name what is damaged")
-    v.add_argument("model")
+    v.add_argument("model", nargs="?", default=None, help="default: the bundled default model")
     v.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     v.set_defaults(fn=cmd_verify)
     return p
+
+
+def _uses_default(args) -> bool:
+    if args.verb == "run":
+        return len(args.args) == 1
+    return getattr(args, "model", "") is None
 
 
 def main(argv=None) -> int:
@@ -267,7 +367,14 @@ def main(argv=None) -> int:
     try:
         args.fn(args)
     except WasteError as e:
-        print(f"waste: error: {e}", file=sys.stderr)
+        from .errors import DamagedContainer
+
+        hint = ""
+        if isinstance(e, DamagedContainer) and _uses_default(args):
+            from .default_model import default_container, rebuild_hint
+
+            hint = f" ({rebuild_hint(default_container())})"
+        print(f"waste: error: {e}{hint}", file=sys.stderr)
         return 1
     except ValueError as e:   # text-layer errors (bad template, tokenizer) are ValueErrors with readable text
         from .text.errors import TextError

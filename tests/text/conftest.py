@@ -18,8 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-TEMPLATES = SHARED / "templates"
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"   # release chat templates (SOURCES.md)
 
 QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

@@ -12,7 +12,7 @@ from waste.text.errors import TextError
 from waste.text.segments import MARKUP, QUOTED, TEXT
 from waste.text.tokenizer import load_tokenizer
 
-TEMPLATES = Path(__file__).resolve().parents[2].parent / "shared" / "templates"  # shared/ beside the repo
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"   # release chat templates (SOURCES.md)
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -30,7 +30,7 @@ def joined(segments):
 def template(name):
     path = TEMPLATES / name
     if not path.is_file():
-        pytest.skip(f"{path} is absent (shared/ sits beside the repo)")
+        pytest.skip(f"{path} is absent (tests/data/templates is incomplete)")
     return ChatTemplate(path.read_text())
 
 

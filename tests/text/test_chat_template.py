@@ -18,10 +18,10 @@ from waste.text.errors import TextError
 from waste.text.segments import MARKUP, QUOTED, TEXT
 from waste.text.tokenizer import load_tokenizer
 
-TEMPLATES = Path(__file__).resolve().parents[2].parent / "shared" / "templates"  # shared/ beside the repo
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"   # release chat templates (SOURCES.md)
 
 TEMPLATE_FILES = sorted(TEMPLATES.glob("*.jinja")) if TEMPLATES.is_dir() else []
-needs_templates = pytest.mark.skipif(not TEMPLATE_FILES, reason=f"{TEMPLATES} is absent (shared/ sits beside the repo)")
+needs_templates = pytest.mark.skipif(not TEMPLATE_FILES, reason=f"{TEMPLATES} is absent (tests/data/templates is incomplete)")
 
 TOOLS = [
     {

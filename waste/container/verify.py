@@ -8,10 +8,11 @@ import torch
 
 from ..errors import DamagedContainer, WasteError
 from .bank import BankFile
-from .manifest import read_manifest
+from .manifest import check_files, read_manifest
 
 
-def verify(path, progress: bool = True) -> list[str]:
+def verify(path, progress: bool = True, notes: list | None = None) -> list[str]:
+    """Every problem found, in words (empty: the container is whole). `notes` gets what could not be checked."""
     from tqdm import tqdm
 
     root = Path(path).expanduser()
@@ -21,7 +22,10 @@ def verify(path, progress: bool = True) -> list[str]:
         m = read_manifest(root)
     except DamagedContainer as e:
         return [str(e)]
-    problems = []
+    problems = check_files(root, m)
+    if "files" not in m and notes is not None:
+        notes.append(f"{root} is container format v{m['format_version']}, which has no checksums for its text files "
+                     "(tokenizer, chat template...): re-convert it to check them")
     for part in ("trunk", "vision"):     # the vision tower's file, when there is one, is checked the same way
         if part not in m:
             continue

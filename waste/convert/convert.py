@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..container.bank import BankWriter, RecordLayout
-from ..container.manifest import FORMAT_NAME, FORMAT_VERSION, TRUNK_FILE, bank_file, write_manifest
+from ..container.manifest import FORMAT_NAME, FORMAT_VERSION, TRUNK_FILE, bank_file, file_table, write_manifest
 from ..container.trunk import TrunkWriter
 from ..errors import WasteError
 from ..quant.formats import DEFAULT_EXPERTS, DEFAULT_TRUNK, get_format
@@ -23,6 +23,18 @@ from .adapters import EXPERT_MATRICES, Adapter, adapter_for
 from .aside import VisionWriter, drop_notes
 from .source import Checkpoint
 from .text_files import plan_text
+
+
+def adapter_of(cfg: dict, src: Path) -> Adapter:
+    """The family's adapter; a key it needs that config.json lacks, or holds in another type, named."""
+    try:
+        return adapter_for(cfg)
+    except KeyError as e:
+        raise WasteError(f"{src / 'config.json'} has no {e.args[0]!r}, which a {cfg.get('model_type')} release "
+                         "needs") from None
+    except (TypeError, ValueError, AttributeError, IndexError) as e:
+        raise WasteError(f"{src / 'config.json'} has a value of the wrong type or shape for a "
+                         f"{cfg.get('model_type')} release ({type(e).__name__}: {e})") from None
 
 
 def check_names(ckpt: Checkpoint, adapter: Adapter) -> None:
@@ -81,7 +93,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "auto
     says why the defaults). Matrices are quantized by `workers` threads (default one per core)."""
     src, out = Path(src).expanduser(), Path(out).expanduser()
     ckpt = Checkpoint(src)
-    adapter = adapter_for(ckpt.config)
+    adapter = adapter_of(ckpt.config, src)
     check_names(ckpt, adapter)
     text = plan_text(src, adapter.family, chat)   # tokenizer and chat format: refused here, before writing
     released = released_expert_format(ckpt, adapter) if adapter.moe_layers() else None
@@ -104,6 +116,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "auto
         manifest["text"] = text.install(tmp)
         manifest["provenance"] = {"source": str(src), "converter": f"waste {__version__}",
                                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        manifest["files"] = file_table(tmp, manifest)
         write_manifest(tmp, manifest)
         if out.exists():
             shutil.rmtree(out)

@@ -25,6 +25,8 @@ def read_config(src: Path) -> dict:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise WasteError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise WasteError(f"{path} must hold a JSON object (a model config), not {type(cfg).__name__}")
     if isinstance(cfg.get("text_config"), dict):   # multimodal wrappers keep the language model here
         inner = dict(cfg["text_config"])
         inner.setdefault("model_type", cfg.get("model_type"))
@@ -33,7 +35,40 @@ def read_config(src: Path) -> dict:
             if k not in inner and k in cfg:
                 inner[k] = cfg[k]
         cfg = inner
+    check_config(cfg, path)
     return cfg
+
+
+REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+         "moe_intermediate_size", "num_experts_per_tok", "num_experts_per_token", "max_position_embeddings",
+         "decoder_sparse_step")
+COUNTS = ("num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank",
+          "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_shared_experts",
+          "num_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "num_expert_group",
+          "num_nextn_predict_layers")   # 0 is meaningful (GLM-5.3's qk_rope_head_dim, a dense model's experts)
+REALS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+
+
+def check_config(cfg: dict, path) -> None:
+    """The keys every family reads, present and of the right type, before an adapter indexes them (a family's own
+    keys are checked where its adapter reads them: convert.adapter_of)."""
+    missing = [k for k in REQUIRED if cfg.get(k) is None]
+    if missing:
+        raise WasteError(f"{path} has no {', '.join(missing)}: a Hugging Face model config names "
+                         f"{', '.join(REQUIRED)}")
+    if not isinstance(cfg["model_type"], str):
+        raise WasteError(f"{path}: model_type must be a string, not {cfg['model_type']!r}")
+    for keys, ok, what in ((SIZES, lambda v: _is_int(v) and v > 0, "a positive integer"),
+                           (COUNTS, lambda v: _is_int(v) and v >= 0, "an integer of 0 or more"),
+                           (REALS, lambda v: _is_int(v) or isinstance(v, float), "a number")):
+        for k in keys:
+            if cfg.get(k) is not None and not ok(cfg[k]):
+                raise WasteError(f"{path}: {k} must be {what}, not {cfg[k]!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

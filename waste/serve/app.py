@@ -8,10 +8,17 @@ Every request is validated whole, the chat prompt rendered included, before any 
 until it is ready, and so does every endpoint that needs the model. Handlers never touch the model: they queue
 a Job on the scheduler (scheduler.py) and read its events from an asyncio queue; a client that goes away
 cancels its job, which stops within one decode step.
+
+A hostile client costs bounded time and memory: bodies past `max_body` are refused with 413 before they are
+read whole (RefuseLarge), prompts are tokenized on a worker thread and a prompt far past the context is refused
+after tokenizing a prefix of it, and memory freed by a large body goes back to the system. SIGTERM drains: the
+port closes, running requests get `grace` seconds to finish, and whatever is left ends with an error event.
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import logging
@@ -28,13 +35,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
+from .. import __version__, params
 from ..text.parsers import Content, Reasoning, ToolCall
 from .errors import APIError, bad_request, from_exception, unsupported
 from .metrics import Metrics
 from .scheduler import Delta, Done, Failed, Job, QueueFull, Scheduler
 from .schemas import (MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                      TokenizeRequest, common_checks, max_tokens_of, sampling_args, stop_list)
+                      TokenizeRequest, common_checks, max_tokens_of, param_errors, sampling_args, stop_list)
 
 log = logging.getLogger("waste.serve")
 
@@ -43,14 +50,23 @@ RETRY_AFTER = "1"          # seconds a client is asked to wait when the queue is
 ARG_PIECE = 24             # a tool call's arguments stream in pieces of this many characters
 ENDPOINTS = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
              "/metrics")
+KEYED = ("/v1", "/tokenize", "/detokenize")   # behind --api-key: everything but /health and /metrics
+MAX_BODY = 4 << 20         # bytes of a request body (--max-body); a 128K-token prompt is about 0.5 MB of JSON
+GRACE = 30.0               # seconds running requests get to finish after SIGTERM (--shutdown-grace)
+TRIM_AFTER = 1 << 20       # a body this large is followed by giving freed memory back to the system
+CHARS_PER_TOKEN = 8        # a long prompt's first (context + 1) * 8 characters are tokenized first (_encode)
 
 
 class ServerState:
     """The model behind the app: loaded in a background thread (or handed in ready), its scheduler, counters."""
 
     def __init__(self, model=None, engine=None, api_key: str | None = None, max_queue: int = 64,
-                 max_batch: int = 8, model_name: str | None = None, load=None):
+                 max_batch: int = 8, model_name: str | None = None, load=None, max_body: int = MAX_BODY,
+                 grace: float = GRACE):
         self.model_arg, self.api_key, self.max_queue, self.max_batch = model, api_key, max_queue, max_batch
+        self.max_body, self.grace = max_body, grace
+        self.live: set[Job] = set()       # jobs whose responses are not finished (the drain waits for them)
+        self.draining = False
         self.model_name = model_name
         self._load = load                 # callable(model) -> Engine; default Engine.load
         self.metrics = Metrics()
@@ -118,6 +134,30 @@ class ServerState:
             raise APIError(503, "the model is loading; retry shortly", None, "model_loading",
                            headers={"Retry-After": RETRY_AFTER})
 
+    def require_open(self) -> None:
+        """Generation endpoints: ready, and not draining (a kept-alive connection may still send a request)."""
+        self.require_ready()
+        if self.draining:
+            raise APIError(503, "the server is shutting down", None, "shutting_down")
+
+    async def drain(self, force=lambda: False) -> None:
+        """SIGTERM: refuse new work, let live requests finish for `grace` seconds, then cancel the rest; each
+        cancelled stream ends with an error event and [DONE] (the scheduler ends a cancelled job at its next
+        step), so wait a little for those to be written."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.grace
+        while self.live and loop.time() < end and not force():
+            await asyncio.sleep(0.05)
+        if self.live:
+            log.warning("shutting down: cancelling %d request(s) still running after %.0f s", len(self.live),
+                        self.grace)
+        for job in list(self.live):
+            job.cancel()
+        end = loop.time() + 5.0
+        while self.live and loop.time() < end and not force():
+            await asyncio.sleep(0.05)
+
     def check_model(self, name: str | None) -> None:
         if name and name not in self.aliases:
             raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_id!r} "
@@ -145,13 +185,14 @@ def generation_defaults(engine) -> dict:
 
 # -- ASGI middleware (pure ASGI: BaseHTTPMiddleware breaks disconnect detection) -------------------------------
 class APIKeyAuth:
-    """/v1/* needs `Authorization: Bearer KEY` (compared in constant time); everything else stays open."""
+    """/v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` (compared in constant time); /health and
+    /metrics stay open."""
 
     def __init__(self, app, key: str):
         self.app, self.digest = app, hashlib.sha256(key.encode()).digest()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(KEYED) and scope["method"] != "OPTIONS":
             auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.strip().partition(" ")
             given = hashlib.sha256(token.strip().encode()).digest()
@@ -161,6 +202,90 @@ class APIKeyAuth:
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _libc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):      # not glibc: nothing to call
+        trim = None
+    return trim
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def release_memory() -> None:
+    """Give freed memory back to the system: tokenizing a 3.9 MB prompt peaks 560 MiB over the base and leaves 530 MiB
+    in the allocator once freed; malloc_trim returns it (70 ms, outside the GIL: ctypes releases it). No gc.collect:
+    what a request frees goes by reference count, and a collection holds the GIL for 230 ms (docs/LEARNED.md §8)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+class RefuseLarge:
+    """A body over the limit gets 413 in the API's shape, never read whole: a Content-Length over it is refused before
+    a byte is read; a chunked body is held (at most the limit) and refused once it grows past it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _refuse(self, what: str):
+        return APIError(413, f"the request body is {what}, over the server's limit of {self.limit} bytes (waste serve "
+                             "--max-body)", None, "request_too_large", headers={"Connection": "close"}).response()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:            # uvicorn holds the body to its declared length
+            if length.strip().isdigit() and int(length) > self.limit:
+                return await self._refuse(f"{int(length)} bytes")(scope, receive, send)
+            return await self.app(scope, receive, send)
+        held, size = [], 0
+        while True:                       # chunked (or no body): read it here, up to the limit
+            msg = await receive()
+            held.append(msg)
+            if msg["type"] != "http.request":
+                break
+            size += len(msg.get("body", b""))
+            if size > self.limit:
+                held.clear()
+                return await self._refuse(f"more than {self.limit} bytes")(scope, receive, send)
+            if not msg.get("more_body"):
+                break
+        held.reverse()
+
+        async def replay():
+            return held.pop() if held else await receive()
+
+        await self.app(scope, replay, send)
+
+
+class ReleaseAfterLarge:
+    """After a request whose body was large, release_memory() on a worker thread."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        size = [0]
+
+        async def counted():
+            msg = await receive()
+            if msg["type"] == "http.request":
+                size[0] += len(msg.get("body", b""))
+            return msg
+
+        try:
+            await self.app(scope, counted, send)
+        finally:
+            if size[0] >= TRIM_AFTER:
+                await run_in_threadpool(release_memory)
 
 
 class CountRequests:
@@ -226,6 +351,9 @@ def create_app(state: ServerState) -> FastAPI:
         if e.status_code == 405:
             return APIError(405, f"{request.method} is not allowed on {request.url.path}", None,
                             "method_not_allowed").response()
+        if e.status_code == 400:      # FastAPI could not read the body: not UTF-8, or JSON nested too deep
+            return bad_request("the body could not be read as JSON: it must be UTF-8 text, nested at most a few "
+                               "hundred levels deep").response()
         return APIError(e.status_code, str(e.detail)).response()
 
     @app.exception_handler(Exception)
@@ -285,7 +413,7 @@ def create_app(state: ServerState) -> FastAPI:
             text = req.prompt if req.prompt is not None else req.content
             if text is None:
                 raise bad_request("give prompt (text) or messages", "prompt")
-            ids = await run_in_threadpool(eng.tokenizer.encode, text, True)
+            ids = await _encode(eng, text, state.context)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.context}
 
     @app.post("/detokenize")
@@ -299,7 +427,7 @@ def create_app(state: ServerState) -> FastAPI:
     # -- generation ------------------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        state.require_ready()
+        state.require_open()
         state.check_model(req.model)
         common_checks(req)
         eng = state.engine
@@ -314,13 +442,11 @@ def create_app(state: ServerState) -> FastAPI:
                               "does not have (and a completion has no chat template to ask for JSON)")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"logprobs must be 0 to {MAX_TOP_LOGPROBS}", "logprobs")
-        ids = await _prompt_ids(eng, req.prompt)
-        room = state.context - len(ids)
-        if room < 1:
-            raise APIError(400, f"the prompt is {len(ids)} tokens and the context is {state.context}", "prompt",
-                           "context_length_exceeded")
         want = max_tokens_of(req, "max_tokens")
         sampling = sampling_args(req, state.defaults)
+        ids = await _prompt_ids(eng, req.prompt, state.context)
+        with param_errors():
+            room = params.room(len(ids), None, state.context)
         from ..engine import Generation
         from ..runtime.sampling import SamplingParams
 
@@ -339,7 +465,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        state.require_ready()
+        state.require_open()
         state.check_model(req.model)
         common_checks(req)
         if state.chat_reasons:
@@ -373,9 +499,11 @@ def create_app(state: ServerState) -> FastAPI:
             return await stream.respond(job, shaper)
         return await stream.collect(job, shaper)
 
+    app.add_middleware(ReleaseAfterLarge)
     if state.api_key:
         app.add_middleware(APIKeyAuth, key=state.api_key)
-    app.add_middleware(CountRequests, metrics=state.metrics)     # outermost: counts the 401s too
+    app.add_middleware(RefuseLarge, limit=state.max_body)
+    app.add_middleware(CountRequests, metrics=state.metrics)     # outermost: counts the 401s and 413s too
     return app
 
 
@@ -409,11 +537,26 @@ def _response_format(rf, engine, kwargs: dict) -> None:
     kwargs["response_format"] = {"type": "json_object"}
 
 
-async def _prompt_ids(engine, prompt) -> list[int]:
+async def _encode(engine, text: str, context: int | None = None) -> list[int]:
+    """A text's token ids, tokenized on a worker thread. With a context: a text much longer than the context can
+    hold is refused once a prefix of (context + 1) * CHARS_PER_TOKEN characters, cut at a space, is over it by a
+    margin (the tokens of a prefix cut at a space are the whole text's but for the last word or two)."""
+    cut = None if context is None else (context + 1) * CHARS_PER_TOKEN
+    if cut is not None and len(text) > cut:
+        space = text.rfind(" ", cut // 2, cut)
+        head = text[:space if space > 0 else cut]
+        n = len(await run_in_threadpool(engine.tokenizer.encode, head, True))
+        if n > context + 16:
+            raise APIError(400, f"the prompt is more than {n - 16} tokens and the context is {context}", "prompt",
+                           "context_length_exceeded")
+    return await run_in_threadpool(engine.tokenizer.encode, text, True)
+
+
+async def _prompt_ids(engine, prompt, context: int | None = None) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = await run_in_threadpool(engine.tokenizer.encode, prompt, True)
+        ids = await _encode(engine, prompt, context)
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         _check_ids(prompt, engine.tokenizer.vocab_size, "prompt")
         ids = list(prompt)
@@ -456,6 +599,7 @@ class _Stream:
         except QueueFull as e:
             raise APIError(503, f"the server is busy: {e}; retry shortly", None, "queue_full",
                            headers={"Retry-After": RETRY_AFTER}) from None
+        self.state.live.add(job)
         return job
 
     def base(self) -> dict:
@@ -501,6 +645,8 @@ class _Stream:
             done = await self.race(run(), job)
         except _ClientGone:
             return Response(status_code=499)
+        finally:
+            self.state.live.discard(job)
         if done.finish_reason == "cancelled":
             raise APIError(503, "the request was cancelled: the server is shutting down", None, "cancelled")
         return JSONResponse({**self.base(), **shaper.whole(done)})
@@ -510,8 +656,10 @@ class _Stream:
         try:
             first = await self.race(self.queue.get(), job)
         except _ClientGone:
+            self.state.live.discard(job)
             return Response(status_code=499)
         if isinstance(first, Failed):
+            self.state.live.discard(job)
             raise from_exception(first.error)
 
         async def events():
@@ -543,6 +691,7 @@ class _Stream:
                         ev = None
             finally:
                 job.cancel()          # the client went away (or the stream ended: then a no-op)
+                self.state.live.discard(job)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -710,17 +859,45 @@ class _CompletionChunks:
 
 
 # -- running it ----------------------------------------------------------------------------------------------
-def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_queue: int = 64,
-          max_batch: int = 8, model_name: str | None = None, load=None, log_level: str = "info") -> None:
-    """Bind, load the model in the background (/health says 503 until it is ready), serve until interrupted.
-    Raises the load error (a WasteError for a bad path or a damaged container) after the server stops."""
+def _server_class():
     import uvicorn
 
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's shutdown (stop accepting, close idle connections, wait, cancel) with the drain first: the
+        listening sockets close at once, then the state's live requests get their grace period."""
+        state: ServerState | None = None
+
+        async def shutdown(self, sockets=None):
+            for srv in getattr(self, "servers", []):
+                srv.close()
+            for sock in sockets or []:
+                sock.close()
+            if self.state is not None:
+                await self.state.drain(lambda: self.force_exit)
+            await super().shutdown(sockets)
+
+    return DrainingServer
+
+
+def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_queue: int = 64,
+          max_batch: int = 8, model_name: str | None = None, load=None, log_level: str = "info", sock=None,
+          max_body: int = MAX_BODY, grace: float = GRACE) -> None:
+    """Serve on `sock` (bound by the caller: waste/serve/listen.py) or bind host:port; load the model in the
+    background (/health says 503 until it is ready), serve until interrupted or SIGTERM (which drains, see
+    ServerState.drain). Raises the load error (a WasteError for a bad path or a damaged container) after the server
+    stops."""
+    import uvicorn
+
+    from .listen import bind
+
+    if sock is None:
+        sock = bind(host, port)
     state = ServerState(model, api_key=api_key, max_queue=max_queue, max_batch=max_batch, model_name=model_name,
-                        load=load)
+                        load=load, max_body=max_body, grace=grace)
     app = create_app(state)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    server = _server_class()(config)
+    server.state = state
 
     def failed(e):
         server.should_exit = True
@@ -731,7 +908,7 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
             time.sleep(0.05)
         if server.should_exit:
             return
-        bound = next((s.getsockname()[1] for srv in server.servers for s in srv.sockets), port)
+        bound = sock.getsockname()[1]
         batch = state.scheduler.max_batch
         note = f" (of {max_batch}: the expert cache holds {batch} working sets)" if batch < max_batch else ""
         print(f"waste: serving {state.model_id!r} at http://{host}:{bound}/v1 (max {batch} at once{note}, "
@@ -739,6 +916,6 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
 
     state.on_failure = failed
     threading.Thread(target=announce, name="waste-announce", daemon=True).start()
-    server.run()
+    server.run(sockets=[sock])
     if state.error is not None:
         raise state.error

@@ -8,11 +8,17 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
          503: "service_unavailable_error"}
 
 
+# every error carries a code (a client switches on it): the status's own when the raiser names none
+CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+         413: "request_too_large", 429: "rate_limited", 500: "internal_error", 503: "unavailable"}
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict | None = None, extra: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param = status, message, param
+        self.code = code or CODES.get(status, "invalid_request" if status < 500 else "internal_error")
         self.type = type or TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.headers, self.extra = headers or {}, extra or {}
 

@@ -1,5 +1,9 @@
 """Request bodies (pydantic, unknown fields accepted and logged) and the checks that turn them into engine
-arguments. Every field is either honoured or refused with a 400 naming it: nothing is dropped silently."""
+arguments. Every field is either honoured or refused with a 400 naming it: nothing is dropped silently.
+
+Types are strict (JSON's own: `"stream": "yes"` is not true, `max_tokens: true` is not 1, `1.5` is not an int) and
+numbers finite (Infinity and NaN, which Python's JSON reader takes, are refused); ranges are waste/params.py's,
+the CLI's too."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +11,8 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from .errors import bad_request, unsupported
+from .. import params
+from .errors import APIError, bad_request, unsupported
 
 log = logging.getLogger("waste.serve")
 
@@ -16,7 +21,7 @@ MAX_STOP = 16
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
@@ -89,17 +94,20 @@ def sampling_args(req: _Generate, defaults: dict) -> dict:
     p = defaults.get("top_p", 1.0) if req.top_p is None else req.top_p
     k = defaults.get("top_k", 0) if req.top_k is None else req.top_k
     m = defaults.get("min_p", 0.0) if req.min_p is None else req.min_p
-    if not t >= 0:
-        raise bad_request("temperature must be 0 or more (0 is greedy)", "temperature")
-    if not 0 < p <= 1:
-        raise bad_request("top_p must be in (0, 1]", "top_p")
-    if k < -1:
-        raise bad_request("top_k must be -1 or 0 (off) or a positive number of tokens", "top_k")
-    if not 0 <= m <= 1:
-        raise bad_request("min_p must be in [0, 1]", "min_p")
-    if req.seed is not None and not -(2 ** 63) <= req.seed < 2 ** 63:
-        raise bad_request("seed must fit in 64 bits", "seed")
-    return dict(temperature=float(t), top_p=float(p), top_k=max(int(k), 0), min_p=float(m), seed=req.seed)
+    with param_errors():
+        return params.sampling(t, p, k, m, req.seed)
+
+
+class param_errors:
+    """A ParamError from waste/params.py as the API's 400 naming the field."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if isinstance(e, params.ParamError):
+            raise APIError(400, e.message(), e.param, e.code) from None
+        return False
 
 
 def common_checks(req: _Generate) -> None:
@@ -135,7 +143,6 @@ def max_tokens_of(req: _Generate, *names: str) -> int | None:
     for name in names:
         v = getattr(req, name, None)
         if v is not None:
-            if v < 1:
-                raise bad_request(f"{name} must be a positive integer", name)
-            return int(v)
+            with param_errors():
+                return params.max_tokens(v, name)
     return None
