@@ -34,6 +34,9 @@ def cmd_info(a):
     from .container import open_container
     from .container.info import describe
 
+    if a.convert_only:
+        return _convert_only(a, a.model)
+    a.model = _model(a, a.model)
     c = open_container(a.model)
     d = describe(c)
     if a.json:
@@ -68,6 +71,7 @@ def cmd_verify(a):
 def _load(a, model):
     from .engine import Engine
 
+    model = _model(a, model)
     return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
                        preload=False if a.no_preload else None, top_k=a.top_k)
 
@@ -92,6 +96,8 @@ def cmd_plan(a):
     from .runtime.plan import plan_memory
     from .units import parse_size
 
+    if _is_hub(a.model):
+        return _hub_plan(a)
     c = open_container(a.model)
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
                     None if a.budget is None else parse_size(a.budget))
@@ -118,6 +124,9 @@ def cmd_bench(a):
 def cmd_chat(a):
     from .chat_cli import cmd_chat as chat
 
+    if a.convert_only:
+        return _convert_only(a, a.model)
+
     chat(a, _load)
 
 
@@ -128,6 +137,10 @@ def cmd_serve(a):
         raise WasteError("--max-queue must be 0 or more and --max-batch 1 or more")
     import os
 
+    if a.convert_only:
+        return _convert_only(a, a.model)
+    if _is_hub(a.model):
+        a.model_name, a.model = a.model_name or a.model, _model(a, a.model)
     if a.model is not None:   # a bad path or a damaged manifest is refused before the port is bound
         from .container import open_container
 
@@ -138,6 +151,8 @@ def cmd_serve(a):
 
 
 def cmd_run(a):
+    if a.convert_only:
+        return _convert_only(a, a.args[0])
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else (a.args[0], " ".join(a.args[1:]))
     eng = _load(a, model)
     if eng.plan.warning:
@@ -153,6 +168,116 @@ def cmd_run(a):
     finally:
         sys.stdout.write("\n")
         print(g.stats.line(), file=sys.stderr)
+
+
+# ---- models from the Hub (waste/hub): MODEL may be ORG/NAME; fetch, list, rm ----
+def _is_hub(model) -> bool:
+    from .hub import is_repo_id
+
+    return is_repo_id(model)
+
+
+def _model(a, model):
+    """MODEL as given, or for ORG/NAME the container in the cache (fetched and converted once)."""
+    if not _is_hub(model):
+        return model
+    from .hub.cache import ensure_container
+    from .units import parse_size
+
+    budget = getattr(a, "budget", None)
+    return str(ensure_container(model, getattr(a, "revision", None), getattr(a, "dir", None),
+                                getattr(a, "experts", None), getattr(a, "trunk", None), getattr(a, "context", 4096),
+                                None if budget is None else parse_size(budget), getattr(a, "dtype", "auto")))
+
+
+def _convert_only(a, model):
+    if not _is_hub(model):
+        raise WasteError(f"--convert-only takes MODEL = ORG/NAME, a model on the Hub (got {model!r})")
+    print(_model(a, model))
+
+
+def _hub_plan(a):
+    from .hub.cache import plan
+    from .units import fmt_bytes, parse_size
+
+    p, est, remote = plan(a.model, a.revision, a.experts, a.trunk, a.dtype, a.context,
+                          None if a.ram is None else parse_size(a.ram), None if a.budget is None else parse_size(a.budget))
+    src = {"repo": remote.repo, "commit": remote.commit, "family": est.family, "release_bytes": est.release_bytes,
+           "container_bytes": est.container_bytes, "experts_format": est.experts, "trunk_format": est.trunk}
+    if a.json:
+        print(json.dumps({**p.to_json(), "hub": src}, indent=1))
+    else:
+        print("\n".join([f"model           {remote.repo}@{remote.commit[:12]} ({est.family}), from the Hub's metadata "
+                         f"(nothing downloaded)",
+                         f"disk            release {fmt_bytes(est.release_bytes)} + container about "
+                         f"{fmt_bytes(est.container_bytes)} (experts {est.experts}, trunk {est.trunk})"] + p.lines()))
+    if p.warning:
+        print(f"waste: warning: {p.warning}", file=sys.stderr)
+
+
+def cmd_fetch(a):
+    from .hub import is_repo_id
+    from .hub.cache import fetch
+
+    if not is_repo_id(a.repo):
+        raise WasteError(f"{a.repo!r} is not a Hub model name: give ORG/NAME, e.g. moonshotai/Kimi-Linear-48B-A3B-Instruct")
+    print(fetch(a.repo, a.revision, a.dir, a.experts, a.trunk))
+
+
+def cmd_list(a):
+    from .hub.cache import describe, list_cache
+
+    entries = list_cache()
+    if a.json:
+        print(json.dumps([{**e.__dict__, "path": str(e.path)} for e in entries], indent=1))
+    else:
+        print("\n".join(describe(entries)))
+
+
+def cmd_rm(a):
+    from .hub.cache import remove
+
+    total = 0
+    for name in a.names:
+        for path, n in remove(name, a.release_only):
+            print(f"removed {path} ({_fmt_bytes(n)})")
+            total += n
+    print(f"freed {_fmt_bytes(total)}")
+
+
+def _hub_args(p, convert_only: bool = True):
+    g = p.add_argument_group("models from the Hub (MODEL = ORG/NAME)")
+    g.add_argument("--revision", default=None, help="branch, tag or commit of the Hub repository (default main)")
+    g.add_argument("--dir", default=None, help="download the release here instead of WASTE_CACHE_DIR/hub")
+    if "--experts" not in p._option_string_actions:
+        g.add_argument("--experts", default=None, help="container format of the routed experts (as `waste convert`; "
+                       "default auto)")
+        g.add_argument("--trunk", default=None, help="container format of the trunk (as `waste convert`; default q8)")
+    if convert_only:
+        g.add_argument("--convert-only", action="store_true", help="fetch and convert if needed, print the "
+                       "container's path, stop")
+
+
+def _hub_parsers(sub, parsers):
+    for p in parsers:
+        _hub_args(p, convert_only=p.prog.split()[-1] != "plan")
+    f = sub.add_parser("fetch", help="download a model from the Hub, resumable, every file checked", description=(
+        "waste fetch ORG/NAME: refuses first, with the numbers, when the disk cannot hold release + container or "
+        "this machine cannot run the model; then downloads what conversion needs (resumes an interrupted fetch) "
+        "and checks every file's size and hash. HF_TOKEN (or `hf auth login`) for private and gated models."))
+    f.add_argument("repo", metavar="ORG/NAME")
+    _hub_args(f, convert_only=False)
+    f.set_defaults(fn=cmd_fetch)
+    ls = sub.add_parser("list", help="the models in the cache: releases and containers, sizes, formats, family")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(fn=cmd_list)
+    rm = sub.add_parser("rm", help="remove a model from the cache and say what it frees", description=(
+        "waste rm NAME...: NAME as `waste list` shows it. ORG/NAME removes the downloaded release and every "
+        "container converted from it; a container's name removes that container."))
+    rm.add_argument("names", nargs="+", metavar="NAME")
+    rm.add_argument("--release-only", action="store_true",
+                    help="for ORG/NAME: remove the downloaded release only; its containers run without it")
+    rm.set_defaults(fn=cmd_rm)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("model")
     v.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     v.set_defaults(fn=cmd_verify)
+    _hub_parsers(sub, [r, ch, sv, pl, i])
     return p
 
 

@@ -91,13 +91,15 @@ def trunk_specs(ckpt: Checkpoint, adapter: Adapter, tfmt) -> tuple[dict, dict, o
 
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "auto", trunk: str = DEFAULT_TRUNK,
-            force: bool = False, progress: bool = True, chat: str = "auto", workers: int | None = None) -> Path:
+            force: bool = False, progress: bool = True, chat: str = "auto", workers: int | None = None,
+            provenance: dict | None = None) -> Path:
     """chat: "auto" installs waste's chat.json for the family when the release has no template and its tokenizer
     carries the markup (else the container is completion-only, and its manifest says why); "require" refuses
     the conversion instead; "none" installs no chat.json (text_files.py).
     experts: a format name, or "auto": as released when the release ships quantized experts (mxfp4 kept as is,
     int4 as q4 nibbles holding the same values), else DEFAULT_EXPERTS. trunk: a format name (docs/LEARNED.md
-    says why the defaults). Matrices are quantized by `workers` threads (default one per core)."""
+    says why the defaults). Matrices are quantized by `workers` threads (default one per core). provenance: extra
+    keys for the manifest's provenance (waste/hub adds `hub`: repo, revision, commit)."""
     src, out = Path(src).expanduser(), Path(out).expanduser()
     ckpt = Checkpoint(src)
     adapter = adapter_for(ckpt.config)
@@ -122,7 +124,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "auto
         manifest = _write(ckpt, adapter, efmt, tfmt, tmp, progress, released == efmt.name, workers)
         manifest["text"] = text.install(tmp)
         manifest["provenance"] = {"source": str(src), "converter": f"waste {__version__}",
-                                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                  **(provenance or {})}
         write_manifest(tmp, manifest)
         if out.exists():
             shutil.rmtree(out)
