@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import fnmatch
-import hashlib
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ from tqdm import tqdm
 
 from ..errors import WasteError
 from ..units import fmt_bytes
-from .remote import Remote, RemoteFile, _Retryable
+from .remote import Remote, RemoteFile, _Retryable, hasher
 
 STATE = ".waste-fetch.json"
 PARTIAL = ".waste-partial"
@@ -72,7 +71,7 @@ class _Sink:
 
     def __init__(self, f, rf: RemoteFile, bar):
         self.f, self.rf, self.bar = f, rf, bar
-        self.h = _hasher(rf)
+        self.h = hasher(rf)
 
     def write(self, b) -> int:
         self.f.write(b)
@@ -90,20 +89,12 @@ class _Sink:
     def truncate(self, size: int | None = None) -> int:
         # http_get truncates when a server ignores the Range and sends the whole file again
         end = self.f.truncate(size)
-        self.h = _hasher(self.rf) if end == 0 else None
+        self.h = hasher(self.rf) if end == 0 else None
         return end
 
 
-def _hasher(rf: RemoteFile):
-    if rf.algo == "sha256":
-        return hashlib.sha256()
-    h = hashlib.sha1()
-    h.update(b"blob %d\0" % rf.size)    # git's blob id
-    return h
-
-
 def hash_file(path: Path, rf: RemoteFile, bar=None, h=None) -> str:
-    h = h or _hasher(rf)
+    h = h or hasher(rf)
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
             h.update(chunk)
@@ -134,6 +125,9 @@ class Release:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise WasteError(f"another waste process is fetching into {self.root}: wait for it to finish") from None
+
+    def unlock(self) -> None:
+        self._lock.close()
 
     def save(self, complete: bool = False) -> None:
         self.state.update(revision=self.remote.revision, commit=self.remote.commit, complete=complete)
@@ -175,6 +169,14 @@ def fetch_release(remote: Remote, root: Path, files: list[RemoteFile], progress:
     """Bring `files` into `root`, each verified; resumes what an earlier (killed) fetch left."""
     rel = Release(root, remote)
     rel.lock()
+    try:
+        return _fetch_locked(rel, files, progress)
+    finally:
+        rel.unlock()
+
+
+def _fetch_locked(rel: "Release", files: list[RemoteFile], progress: bool) -> Path:
+    root, remote = rel.root, rel.remote
     todo = []
     for rf in files:
         if rel.recorded(rf):
@@ -204,8 +206,8 @@ def fetch_release(remote: Remote, root: Path, files: list[RemoteFile], progress:
     if todo:
         _say(f"fetching {len(todo)} file(s) of {remote.repo} ({fmt_bytes(total - have)} to download"
              f"{f', resuming {fmt_bytes(have)} already here' if have else ''}) into {root}")
-    with tqdm(total=total, initial=0, unit="B", unit_scale=True, desc="downloading", disable=not progress or not todo,
-              smoothing=0.1) as bar:
+    with tqdm(total=total, initial=have, unit="B", unit_scale=True, desc="downloading",
+              disable=not progress or not todo, smoothing=0.1) as bar:
         for rf in todo:
             _fetch_one(rel, rf, bar)
     rel.save(complete=True)
@@ -224,7 +226,7 @@ def _fetch_one(rel: Release, rf: RemoteFile, bar) -> None:
         with open(part, "ab") as f:
             sink = _Sink(f, rf, bar)
             if have:       # the resumed prefix is hashed first, so that the whole file is checked
-                hash_file(part, rf, bar, sink.h)
+                hash_file(part, rf, None, sink.h)
             try:
                 if have < rf.size:
                     rel.remote.download(rf.path, sink, offset=have)

@@ -7,8 +7,10 @@ what to do; a 401 says both things it can mean (no such repo, or private/gated w
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import sys
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -22,6 +24,15 @@ class RemoteFile:
     size: int
     algo: str           # "sha256" for LFS files, "git-sha1" (git's blob id) for the rest: what the Hub publishes
     digest: str
+
+
+def hasher(rf: RemoteFile):
+    """sha256 for LFS files; git's blob id (sha1 of "blob SIZE\\0" + bytes) for the others."""
+    if rf.algo == "sha256":
+        return hashlib.sha256()
+    h = hashlib.sha1()
+    h.update(b"blob %d\0" % rf.size)
+    return h
 
 
 class _Silent(tqdm):
@@ -84,11 +95,25 @@ class Remote:
             http_get(self.url(path), sink, resume_size=offset, headers=headers, expected_size=self.files[path].size,
                      displayed_filename=path, tqdm_class=_Silent)
 
-    def read(self, path: str) -> bytes:
-        """A small file, into memory (config.json, the safetensors index)."""
-        buf = io.BytesIO()
-        self.download(path, buf)
-        return buf.getvalue()
+    def read(self, path: str, attempts: int = 3) -> bytes:
+        """A small file, into memory (config.json, the safetensors index), checked like a fetched one."""
+        rf = self.files[path]
+        for _ in range(attempts):
+            buf = io.BytesIO()
+            try:
+                self.download(path, buf)
+            except OSError as e:      # http_get's size check
+                if e.errno is not None:
+                    raise
+                continue
+            h = hasher(rf)
+            h.update(buf.getvalue())
+            if h.hexdigest() == rf.digest:
+                return buf.getvalue()
+            print(f"waste: {path} came back with another {rf.algo} than the Hub lists: reading it again",
+                  file=sys.stderr)
+        raise WasteError(f"{self.repo}/{path} came back {attempts} times with another size or hash than the Hub "
+                         f"lists: try again later")
 
     def safetensors_header(self, path: str) -> dict[str, tuple[str, list[int]]]:
         """Tensor name -> (dtype, shape) of one remote safetensors file, read by range request."""
