@@ -10,7 +10,7 @@ model repository and download its files, no more.
 Private repos want `Authorization: Bearer TOKEN`; a missing repo or a private one without it answers 401 with
 X-Error-Code RepoNotFound, as the Hub does. Faults injected per file (each consumed by one GET of its bytes):
 corrupt (one byte changed), overlong (extra bytes, Content-Length says so), slow (sent in small timed pieces),
-missing (404 although listed). Every request is logged: (method, path, range, authorization present, bytes sent).
+missing (404 although listed), unavailable (one 503 from resolve). Every request is logged: (method, path, range, authorization present, bytes sent).
 """
 from __future__ import annotations
 
@@ -148,6 +148,9 @@ def _handler(hub: HubServer):
                 if rev not in ("main", repo.commit):
                     return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}", head)
                 faults = repo.faults.get(path) or []
+                if faults and faults[0] == "unavailable":
+                    faults.pop(0)
+                    return self._error(503, "Unavailable", "Service unavailable", head, repo.commit)
                 if path not in repo.files or (faults and faults[0] == "missing"):
                     return self._error(404, "EntryNotFound", "Entry not found", head, repo.commit)
                 data = repo.files[path]

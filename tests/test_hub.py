@@ -144,27 +144,34 @@ def test_plan_fetch_convert_run_list_rm(hub, release, tmp_path, capsys):
     assert "nothing named 'org/tiny' in the cache" in capsys.readouterr().err
 
 
-def test_killed_fetch_resumes(hub, release, tmp_path, capsys):
-    """A real `waste fetch` process killed half way through a shard; the next fetch asks for the rest only."""
+def fetch_until_a_third(hub, tmp_path, sig):
+    """A real `waste fetch` process, sent `sig` once a third of SHARD is on disk; (process, the partial file)."""
     hub.repo.faults[SHARD] = ["slow"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), HF_HOME=str(tmp_path / "hf"))
     # huggingface_hub writes in 10 MB pieces; this tiny shard needs smaller ones to be half-written
     code = ("import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 4096; "
             "import sys; from waste.cli import main; sys.exit(main(['fetch', 'org/tiny']))")
     p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    size = len(hub.repo.files[SHARD])
     part_dir = rel_dir(tmp_path) / ".waste-partial"
     deadline = time.time() + 60
     parts = []
-    while time.time() < deadline:
+    while time.time() < deadline and p.poll() is None:
         parts = list(part_dir.glob(f"{SHARD}.*.part")) if part_dir.is_dir() else []
-        if parts and parts[0].stat().st_size >= size // 3:
+        if parts and parts[0].stat().st_size >= len(hub.repo.files[SHARD]) // 3:
             break
         time.sleep(0.02)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    p.send_signal(sig)
+    p.wait(timeout=30)
     assert parts, p.stderr.read().decode()[-2000:]
-    have = parts[0].stat().st_size
+    return p, parts[0]
+
+
+def test_killed_fetch_resumes(hub, release, tmp_path, capsys):
+    """A fetch killed half way through a shard; the next fetch asks for the rest only."""
+    p, part = fetch_until_a_third(hub, tmp_path, signal.SIGKILL)
+    size = len(hub.repo.files[SHARD])
+    part_dir = part.parent
+    have = part.stat().st_size
     assert 0 < have < size and not (rel_dir(tmp_path) / SHARD).exists()
 
     assert main(["fetch", REPO]) == 0
@@ -174,6 +181,24 @@ def test_killed_fetch_resumes(hub, release, tmp_path, capsys):
     assert resumed["range"] == f"bytes={have}-" and resumed["sent"] == size - have
     same_as_release(rel_dir(tmp_path), release)
     assert not list(part_dir.glob("*.part"))
+
+
+def test_ctrl_c_stops_the_fetch_at_once(hub, release, tmp_path, capsys):
+    p, part = fetch_until_a_third(hub, tmp_path, signal.SIGINT)
+    err = p.stderr.read().decode()
+    assert p.returncode == 130 and "fetch stopped" in err and "waste: interrupted" in err and "Traceback" not in err
+    assert part.is_file() and 0 < part.stat().st_size < len(hub.repo.files[SHARD])
+
+
+def test_hub_unavailable_is_retried(hub, release, tmp_path, capsys):
+    hub.repo.faults["tokenizer.json"] = ["unavailable"]
+    assert main(["fetch", REPO]) == 0
+    assert "org/tiny/tokenizer.json: the Hub answered 503" in capsys.readouterr().err
+    same_as_release(rel_dir(tmp_path), release)
+    hub.repo.faults["tokenizer.json"] = ["unavailable"] * 3
+    (rel_dir(tmp_path) / "tokenizer.json").unlink()
+    assert main(["fetch", REPO]) == 1
+    assert "gave up after 3 attempts; run the same command again" in capsys.readouterr().err
 
 
 def test_wrong_hash_is_deleted_and_fetched_again(hub, release, tmp_path, capsys):

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from ..errors import WasteError
 from ..runtime.plan import MemoryPlan
@@ -51,7 +52,7 @@ class Estimate:
 
 
 def estimate(remote: Remote, text: list[RemoteFile], weights: list[RemoteFile], experts: str = "auto",
-             trunk: str | None = None) -> Estimate:
+             trunk: str | None = None, progress: bool = True) -> Estimate:
     from ..container.bank import header_bytes_for
     from ..convert.adapters import adapter_for
     from ..convert.convert import check_names, expert_layout, released_expert_format, trunk_specs
@@ -64,7 +65,8 @@ def estimate(remote: Remote, text: list[RemoteFile], weights: list[RemoteFile], 
         raise WasteError(f"{remote.repo}/config.json is not valid JSON: {e}") from None
     adapter = adapter_for(hf)
     meta, where = {}, {}
-    for rf in weights:
+    for rf in tqdm(weights, desc="reading safetensors headers", unit="file", disable=not progress or len(weights) < 8,
+                   leave=False):
         for k, v in remote.safetensors_header(rf.path).items():
             meta[k], where[k] = v, rf.path
     ckpt = Checkpoint.from_metadata(f"{remote.repo}@{remote.commit[:12]}", hf, meta, where)

@@ -107,7 +107,7 @@ class Release:
     """A release directory being fetched: its state file, partial files, lock."""
 
     def __init__(self, root: Path, remote: Remote):
-        self.root, self.remote = root, remote
+        self.root, self.remote, self.progress = root, remote, False
         self.state_path = root / STATE
         self.state = {"repo": remote.repo, "files": {}}
         if self.state_path.is_file():
@@ -168,9 +168,13 @@ def _say(msg: str) -> None:
 def fetch_release(remote: Remote, root: Path, files: list[RemoteFile], progress: bool = True) -> Path:
     """Bring `files` into `root`, each verified; resumes what an earlier (killed) fetch left."""
     rel = Release(root, remote)
+    rel.progress = progress
     rel.lock()
     try:
         return _fetch_locked(rel, files, progress)
+    except KeyboardInterrupt:       # we download on the main thread, so Ctrl-C lands here at once
+        _say(f"fetch stopped; what arrived stays in {root / PARTIAL}: the same command resumes it")
+        raise
     finally:
         rel.unlock()
 
@@ -226,7 +230,9 @@ def _fetch_one(rel: Release, rf: RemoteFile, bar) -> None:
         with open(part, "ab") as f:
             sink = _Sink(f, rf, bar)
             if have:       # the resumed prefix is hashed first, so that the whole file is checked
-                hash_file(part, rf, None, sink.h)
+                with tqdm(total=have, unit="B", unit_scale=True, desc=f"checking what is here of {rf.path}",
+                          disable=not rel.progress, leave=False) as check:
+                    hash_file(part, rf, check, sink.h)
             try:
                 if have < rf.size:
                     rel.remote.download(rf.path, sink, offset=have)
