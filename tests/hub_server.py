@@ -218,3 +218,12 @@ def _handler(hub: HubServer):
             self._record(sent)
 
     return H
+
+
+if __name__ == "__main__":     # python tests/hub_server.py FOLDER ORG/NAME: serve one folder until killed
+    import sys
+
+    with HubServer() as hub:
+        hub.add(sys.argv[2], Path(sys.argv[1]))
+        print(hub.url, flush=True)
+        hub.thread.join()

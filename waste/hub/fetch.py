@@ -86,8 +86,13 @@ class _Sink:
     def seek(self, pos: int, whence: int = 0) -> int:
         return self.f.seek(pos, whence)
 
+    def digest(self) -> str | None:
+        """The hex digest of everything written (None when a truncation mid-file lost track)."""
+        return self.h.hexdigest() if self.h is not None else None
+
     def truncate(self, size: int | None = None) -> int:
         # http_get truncates when a server ignores the Range and sends the whole file again
+        self.digest()
         end = self.f.truncate(size)
         self.h = hasher(self.rf) if end == 0 else None
         return end
@@ -260,7 +265,7 @@ def _fetch_one(rel: Release, rf: RemoteFile, bar) -> None:
                                      f"than the Hub lists ({rf.size} bytes): try again later") from None
                 continue
             f.flush()
-            got = sink.h.hexdigest() if sink.h is not None else None
+            got = sink.digest()
         size = part.stat().st_size
         if got is None and size == rf.size:
             got = hash_file(part, rf)

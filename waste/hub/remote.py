@@ -149,7 +149,8 @@ class _HubErrors:
                 msg = (f"{r.repo}: the Hub answered {status}: no such model, or the token in use (HF_TOKEN or `hf auth "
                        f"login`) cannot read it. Check the name, and that the token has access")
             else:
-                msg = (f"{r.repo}: the Hub answered {status}: no such model, or it is private or gated and no token "
+                msg = (f"{r.repo}: the Hub answered {status}: no such model (nor a directory of that name here), "
+                       f"or it is private or gated and no token "
                        f"was sent. Check the name; for a private or gated model set HF_TOKEN to an access token (or "
                        f"run `hf auth login`)")
         elif isinstance(e, he.RevisionNotFoundError):
