@@ -42,6 +42,9 @@ def hub(release, tmp_path, monkeypatch):
     from waste.hub import fetch
 
     monkeypatch.setenv("WASTE_CACHE_DIR", str(tmp_path / "cache"))
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):     # tests/text/conftest.py sets both
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.setattr(hc, "HF_TOKEN_PATH", str(tmp_path / "no-token"))   # no token of this machine's user
@@ -355,6 +358,16 @@ def test_machine_that_cannot_run_it_is_refused_first(hub, tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert "org/tiny cannot run on this machine, so nothing was downloaded: not enough memory" in err
     assert not any(body_gets(hub, n) for n in DOWNLOADED) and not rel_dir(tmp_path).exists()
+
+
+def test_offline_mode_is_named(hub, capsys, monkeypatch):
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    assert main(["run", REPO, "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("waste: error: HF_HUB_OFFLINE is set, so waste does not ask the Hub about org/tiny")
+    assert "Traceback" not in err
 
 
 def test_names():

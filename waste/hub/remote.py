@@ -141,6 +141,9 @@ class _HubErrors:
 
         r, what = self.r, f"{self.r.repo}/{self.path}" if self.path else self.r.repo
         status = getattr(getattr(e, "response", None), "status_code", None)
+        if isinstance(e, he.OfflineModeIsEnabled):
+            raise WasteError(f"HF_HUB_OFFLINE is set, so waste does not ask the Hub about {r.repo}: unset it to fetch, "
+                             f"or run a model already in the cache (`waste list`)") from None
         if isinstance(e, he.GatedRepoError):
             msg = (f"{r.repo} is gated: accept its terms at {r.endpoint}/{r.repo} with your account, then set HF_TOKEN "
                    f"to one of your tokens (or run `hf auth login`)")
