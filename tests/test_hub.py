@@ -124,6 +124,7 @@ def test_plan_fetch_convert_run_list_rm(hub, release, tmp_path, capsys):
     assert main(["run", REPO, "def f", "-n", "4", "--temperature", "0"]) == 0
     assert main(["info", REPO]) == 0
     assert main(["serve", REPO, "--convert-only"]) == 0
+    assert main(["chat", REPO, "--convert-only"]) == 0
     out, err = capsys.readouterr()
     assert "converting" not in err and "qwen3_moe" in out and out.strip().endswith(str(container))
     assert len(hub.log) == n_log

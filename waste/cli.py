@@ -245,10 +245,11 @@ def cmd_rm(a):
     print(f"freed {_fmt_bytes(total)}")
 
 
-def _hub_args(p, convert_only: bool = True):
+def _hub_args(p, convert_only: bool = True, download: bool = True):
     g = p.add_argument_group("models from the Hub (MODEL = ORG/NAME)")
     g.add_argument("--revision", default=None, help="branch, tag or commit of the Hub repository (default main)")
-    g.add_argument("--dir", default=None, help="download the release here instead of WASTE_CACHE_DIR/hub")
+    if download:
+        g.add_argument("--dir", default=None, help="download the release here instead of WASTE_CACHE_DIR/hub")
     if "--experts" not in p._option_string_actions:
         g.add_argument("--experts", default=None, help="container format of the routed experts (as `waste convert`; "
                        "default auto)")
@@ -260,7 +261,8 @@ def _hub_args(p, convert_only: bool = True):
 
 def _hub_parsers(sub, parsers):
     for p in parsers:
-        _hub_args(p, convert_only=p.prog.split()[-1] != "plan")
+        plan = p.prog.split()[-1] == "plan"
+        _hub_args(p, convert_only=not plan, download=not plan)
     f = sub.add_parser("fetch", help="download a model from the Hub, resumable, every file checked", description=(
         "waste fetch ORG/NAME: refuses first, with the numbers, when the disk cannot hold release + container or "
         "this machine cannot run the model; then downloads what conversion needs (resumes an interrupted fetch) "

@@ -71,6 +71,8 @@ class Remote:
             info = self.api.model_info(self.repo, revision=self.revision, files_metadata=True)
         self.commit = info.sha
         for s in info.siblings or []:
+            if s.rfilename.startswith("/") or ".." in s.rfilename.split("/"):
+                raise WasteError(f"the Hub listed a file {s.rfilename!r} for {self.repo} outside the repository: refused")
             if s.lfs is not None:
                 self.files[s.rfilename] = RemoteFile(s.rfilename, s.lfs.size, "sha256", s.lfs.sha256)
             elif s.size is not None and s.blob_id:
