@@ -217,9 +217,13 @@ def _fetch_locked(rel: "Release", files: list[RemoteFile], progress: bool) -> Pa
              f"{f', resuming {fmt_bytes(have)} already here' if have else ''}) into {root}")
     with tqdm(total=total, initial=have, unit="B", unit_scale=True, desc="downloading",
               disable=not progress or not todo, smoothing=0.1) as bar:
+        t = time.monotonic()
         for rf in todo:
             _fetch_one(rel, rf, bar)
+        moved, dt = total - have, time.monotonic() - t
     rel.save(complete=True)
+    _say(f"{remote.repo}@{remote.commit[:12]}: {len(files)} files checked against the Hub's hashes"
+         + (f"; {fmt_bytes(moved)} downloaded in {dt:.0f} s ({fmt_bytes(moved / max(dt, 1e-3))}/s)" if todo else ""))
     return root
 
 
