@@ -136,14 +136,19 @@ def test_plan_fetch_convert_run_list_rm(hub, release, tmp_path, capsys):
     assert main(["list"]) == 0
     assert REPO in capsys.readouterr().out
 
-    want = rows[REPO]["bytes"] + rows[container.name]["bytes"]
-    assert main(["rm", REPO]) == 0
-    out = capsys.readouterr().out
-    assert f"removed {root}" in out and f"removed {container}" in out
     from waste.units import fmt_bytes
 
-    assert out.strip().endswith(f"freed {fmt_bytes(want)}")
-    assert not root.exists() and not container.exists()
+    assert main(["rm", REPO, "--release-only"]) == 0      # the container runs without its release
+    out = capsys.readouterr().out
+    assert f"removed {root}" in out and out.strip().endswith(f"freed {fmt_bytes(rows[REPO]['bytes'])}")
+    assert not root.exists() and container.exists()
+    n_log = len(hub.log)
+    assert main(["run", REPO, "def f", "-n", "4", "--temperature", "0"]) == 0
+    assert len(hub.log) == n_log and "converting" not in capsys.readouterr().err
+    assert main(["rm", REPO]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {container}" in out and out.strip().endswith(f"freed {fmt_bytes(rows[container.name]['bytes'])}")
+    assert not container.exists()
     assert main(["rm", REPO]) == 1
     assert "nothing named 'org/tiny' in the cache" in capsys.readouterr().err
 

@@ -216,7 +216,7 @@ def describe(entries: list[Entry]) -> list[str]:
     rows += [(e.name, e.kind, fmt_bytes(e.bytes), e.formats, e.family, e.source) for e in entries]
     w = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(r[i].ljust(w[i]) for i in range(5)) + "  " + r[5] for r in rows]
-    return lines + [f"{len(entries)} entries, {fmt_bytes(sum(e.bytes for e in entries))} in {cache_root()}"]
+    return lines + [f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}, {fmt_bytes(sum(e.bytes for e in entries))} in {cache_root()}"]
 
 
 def plan(repo: str, revision: str | None = None, experts: str | None = None, trunk: str | None = None,
