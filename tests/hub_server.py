@@ -35,6 +35,7 @@ class Repo:
     files: dict[str, bytes]
     commit: str
     private: bool = False
+    gated: bool = False
     faults: dict[str, list] = field(default_factory=dict)   # path -> faults, consumed in order
 
     def is_lfs(self, path: str) -> bool:
@@ -62,13 +63,13 @@ class HubServer:
         self.httpd.server_close()
 
     def add(self, repo_id: str, folder: Path | None = None, files: dict[str, bytes] | None = None,
-            private: bool = False) -> Repo:
+            private: bool = False, gated: bool = False) -> Repo:
         files = dict(files or {})
         if folder is not None:
             files.update({p.relative_to(folder).as_posix(): p.read_bytes()
                           for p in sorted(Path(folder).rglob("*")) if p.is_file()})
         commit = hashlib.sha1(repr(sorted((k, git_sha1(v)) for k, v in files.items())).encode()).hexdigest()
-        self.repos[repo_id] = Repo(files, commit, private)
+        self.repos[repo_id] = Repo(files, commit, private, gated)
         return self.repos[repo_id]
 
     def gets(self, path_suffix: str) -> list[dict]:
@@ -123,6 +124,9 @@ def _handler(hub: HubServer):
                 # the Hub's answer for a missing repo and for a private one without a (good) token is the same
                 status = 404 if authed else 401
                 self._error(status, "RepoNotFound", "Repository not found", head)
+                return None
+            if repo.gated and not authed:
+                self._error(403, "GatedRepo", "Access to this model is restricted", head)
                 return None
             return repo
 

@@ -175,6 +175,25 @@ def fetch_until_a_third(hub, tmp_path, sig):
     return p, parts[0]
 
 
+def test_a_new_revision_replaces_the_old(hub, release, tmp_path, capsys):
+    assert main(["fetch", REPO]) == 0
+    old = hub.repo.commit
+    files = dict(hub.repo.files)
+    index = json.loads(files["model.safetensors.index.json"])
+    index["weight_map"] = {k: v.replace("00003", "00004") for k, v in index["weight_map"].items()}
+    files["model.safetensors.index.json"] = json.dumps(index).encode()
+    files["model-00004.safetensors"] = files.pop("model-00003.safetensors")      # a renamed shard
+    hub.repo = hub.add(REPO, files=files)
+    assert hub.repo.commit != old
+    assert main(["fetch", REPO]) == 0
+    root = rel_dir(tmp_path)
+    assert json.loads((root / ".waste-fetch.json").read_text())["commit"] == hub.repo.commit
+    assert (root / "model-00004.safetensors").is_file() and not (root / "model-00003.safetensors").exists()
+    err = capsys.readouterr().err
+    assert "model.safetensors.index.json changed on the Hub since the last fetch" in err
+    assert "fetching 2 file(s)" in err and len(body_gets(hub, SHARD)) == 1   # the index and the renamed shard
+
+
 def test_killed_fetch_resumes(hub, release, tmp_path, capsys):
     """A fetch killed half way through a shard; the next fetch asks for the rest only."""
     p, part = fetch_until_a_third(hub, tmp_path, signal.SIGKILL)
@@ -279,6 +298,10 @@ def test_missing_files(hub, release, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "org/tiny/tokenizer_config.json: the Hub has no such file" in err and "Traceback" not in err
 
+    # a revision the repository does not have
+    assert main(["fetch", REPO, "--revision", "nope"]) == 1
+    assert "org/tiny has no revision 'nope'" in capsys.readouterr().err
+
     # not a model release at all
     hub.add("org/notes", files={"README.md": b"hi"})
     assert main(["fetch", "org/notes"]) == 1
@@ -293,6 +316,10 @@ def test_private_repo_needs_a_token(hub, release, tmp_path, capsys, monkeypatch)
     assert "private or gated and no token was sent" in err and "HF_TOKEN" in err and "Traceback" not in err
     assert main(["plan", "org/secret"]) == 1              # plan asks the Hub the same way
     assert "401" in capsys.readouterr().err
+
+    hub.add("org/gated", release, gated=True)
+    assert main(["plan", "org/gated"]) == 1
+    assert "org/gated is gated: accept its terms at" in capsys.readouterr().err
 
     monkeypatch.setenv("HF_TOKEN", "hf_wrong")
     assert main(["fetch", "org/secret"]) == 1

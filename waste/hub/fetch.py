@@ -191,6 +191,11 @@ def _fetch_locked(rel: "Release", files: list[RemoteFile], progress: bool) -> Pa
         if rel.recorded(rf):
             continue
         dst = root / rf.path
+        rec = rel.state["files"].get(rf.path)
+        if dst.is_file() and rec and rec.get("digest") != rf.digest:
+            _say(f"{rf.path} changed on the Hub since the last fetch ({rel.state.get('commit', '?')[:12]}): fetching "
+                 f"the new one")
+            dst.unlink()
         if dst.is_file():              # there but not recorded: check it, keep it if it is right
             size = dst.stat().st_size
             if size > rf.size:
@@ -221,10 +226,21 @@ def _fetch_locked(rel: "Release", files: list[RemoteFile], progress: bool) -> Pa
         for rf in todo:
             _fetch_one(rel, rf, bar)
         moved, dt = total - have, time.monotonic() - t
+    _forget_old(rel, files)
     rel.save(complete=True)
     _say(f"{remote.repo}@{remote.commit[:12]}: {len(files)} files checked against the Hub's hashes"
          + (f"; {fmt_bytes(moved)} downloaded in {dt:.0f} s ({fmt_bytes(moved / max(dt, 1e-3))}/s)" if todo else ""))
     return root
+
+
+def _forget_old(rel: Release, files: list[RemoteFile]) -> None:
+    """Once complete: delete what an earlier revision left (files waste fetched that this one does not list, and
+    partial downloads), so that a release directory holds one revision."""
+    keep = {rf.path for rf in files}
+    for path in [p for p in rel.state["files"] if p not in keep]:
+        (rel.root / path).unlink(missing_ok=True)
+        del rel.state["files"][path]
+    shutil.rmtree(rel.root / PARTIAL, ignore_errors=True)
 
 
 def _fetch_one(rel: Release, rf: RemoteFile, bar) -> None:
