@@ -275,6 +275,7 @@ def test_over_long_shard(hub, release, tmp_path, capsys):
     other = "model-00002.safetensors"
     (root / other).unlink()
     sha = hashlib.sha256(hub.repo.files[other]).hexdigest()
+    (root / ".waste-partial").mkdir()
     (root / ".waste-partial" / f"{other}.{sha[:16]}.part").write_bytes(b"\1" * (len(hub.repo.files[other]) + 7))
     assert main(["fetch", REPO]) == 0
     err = capsys.readouterr().err
