@@ -265,8 +265,7 @@ def _fetch_one(rel: Release, rf: RemoteFile, bar) -> None:
                 if attempt == ATTEMPTS:
                     raise WasteError(f"{e} (gave up after {ATTEMPTS} attempts; run the same command again to resume "
                                      f"from {fmt_bytes(part.stat().st_size)})") from None
-                _say(f"{e}: retrying in {RETRY_SLEEP * 2 ** (attempt - 1):.0f} s")
-                _rewind(bar, part.stat().st_size if part.is_file() else 0)
+                _say(f"{e}: retrying in {RETRY_SLEEP * 2 ** (attempt - 1):.0f} s")     # the partial stays
                 time.sleep(RETRY_SLEEP * 2 ** (attempt - 1))
                 continue
             except OSError as e:

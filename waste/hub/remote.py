@@ -94,8 +94,11 @@ class Remote:
         headers = build_hf_headers(token=self.token)
         headers["Accept-Encoding"] = "identity"     # the bytes as stored: a resumed range must line up
         with self.errors(path):
-            http_get(self.url(path), sink, resume_size=offset, headers=headers, expected_size=self.files[path].size,
-                     displayed_filename=path, tqdm_class=_Silent)
+            try:
+                http_get(self.url(path), sink, resume_size=offset, headers=headers,
+                         expected_size=self.files[path].size, displayed_filename=path, tqdm_class=_Silent)
+            except ValueError as e:     # http_get refuses a file over 50 GB from its start without hf_xet
+                raise WasteError(f"{self.repo}/{path}: {e}") from None
 
     def read(self, path: str, attempts: int = 3) -> bytes:
         """A small file, into memory (config.json, the safetensors index), checked like a fetched one."""
