@@ -63,7 +63,9 @@ def cmd_info(a):
     from .container import open_container
     from .container.info import describe
 
-    c = open_container(model_path(a.model))
+    if a.convert_only:
+        return _convert_only(a, a.model)
+    c = open_container(model_path(_model(a, a.model)))
     d = describe(c)
     if a.model is None:
         d["default_model"] = True
@@ -111,6 +113,7 @@ def cmd_verify(a):
 def _load(a, model):
     from .engine import Engine
 
+    model = _model(a, model)
     return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
                        preload=False if a.no_preload else None, top_k=a.top_k)
 
@@ -137,6 +140,8 @@ def cmd_plan(a):
     from .units import parse_size
 
     check(params.engine, a.context, 1)
+    if _is_hub(a.model):
+        return _hub_plan(a)
     c = open_container(model_path(a.model))
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
                     None if a.budget is None else parse_size(a.budget))
@@ -172,6 +177,8 @@ def cmd_bench(a):
 def cmd_chat(a):
     from .chat_cli import cmd_chat as chat
 
+    if a.convert_only:
+        return _convert_only(a, a.model)
     check_run_args(a)
     chat(a, _load)
 
@@ -191,6 +198,10 @@ def cmd_serve(a):
         raise WasteError("--shutdown-grace must be 0 or more seconds")
     from .serve.listen import bind
 
+    if a.convert_only:
+        return _convert_only(a, a.model)
+    if _is_hub(a.model):          # fetched and converted (once) before the port is bound
+        a.model_name, a.model = a.model_name or a.model, _model(a, a.model)
     sock = bind(a.host, a.port)   # before the slow imports: connections wait in the backlog, never refused
     if a.model is not None:       # a bad path or a damaged manifest: an error now, not a server that fails later
         from .container import open_container
@@ -208,6 +219,8 @@ def cmd_run(a):
     import shlex
     from pathlib import Path
 
+    if a.convert_only:
+        return _convert_only(a, a.args[0])
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else (a.args[0], " ".join(a.args[1:]))
     if model is not None and not Path(model).expanduser().exists() and "/" not in model \
             and not model.endswith(".waste"):
@@ -240,6 +253,118 @@ def cmd_run(a):
     finally:
         sys.stdout.write("\n")
         print(g.stats.line(), file=sys.stderr)
+
+
+# ---- models from the Hub (waste/hub): MODEL may be ORG/NAME; fetch, list, rm ----
+def _is_hub(model) -> bool:
+    from .hub import is_repo_id
+
+    return is_repo_id(model)
+
+
+def _model(a, model):
+    """MODEL as given, or for ORG/NAME the container in the cache (fetched and converted once)."""
+    if not _is_hub(model):
+        return model
+    from .hub.cache import ensure_container
+    from .units import parse_size
+
+    budget = getattr(a, "budget", None)
+    return str(ensure_container(model, getattr(a, "revision", None), getattr(a, "dir", None),
+                                getattr(a, "experts", None), getattr(a, "trunk", None), getattr(a, "context", 4096),
+                                None if budget is None else parse_size(budget), getattr(a, "dtype", "auto")))
+
+
+def _convert_only(a, model):
+    if not _is_hub(model):
+        raise WasteError(f"--convert-only takes MODEL = ORG/NAME, a model on the Hub (got {model!r})")
+    print(_model(a, model))
+
+
+def _hub_plan(a):
+    from .hub.cache import plan
+    from .units import fmt_bytes, parse_size
+
+    p, est, remote = plan(a.model, a.revision, a.experts, a.trunk, a.dtype, a.context,
+                          None if a.ram is None else parse_size(a.ram), None if a.budget is None else parse_size(a.budget))
+    src = {"repo": remote.repo, "commit": remote.commit, "family": est.family, "release_bytes": est.release_bytes,
+           "container_bytes": est.container_bytes, "experts_format": est.experts, "trunk_format": est.trunk}
+    if a.json:
+        print(json.dumps({**p.to_json(), "hub": src}, indent=1))
+    else:
+        print("\n".join([f"model           {remote.repo}@{remote.commit[:12]} ({est.family}), from the Hub's metadata "
+                         f"(nothing downloaded)",
+                         f"disk            release {fmt_bytes(est.release_bytes)} + container about "
+                         f"{fmt_bytes(est.container_bytes)} (experts {est.experts}, trunk {est.trunk})"] + p.lines()))
+    if p.warning:
+        print(f"waste: warning: {p.warning}", file=sys.stderr)
+
+
+def cmd_fetch(a):
+    from .hub import is_repo_id
+    from .hub.cache import fetch
+
+    if not is_repo_id(a.repo):
+        raise WasteError(f"{a.repo!r} is not a Hub model name: give ORG/NAME, e.g. moonshotai/Kimi-Linear-48B-A3B-Instruct")
+    print(fetch(a.repo, a.revision, a.dir, a.experts, a.trunk))
+
+
+def cmd_list(a):
+    from .hub.cache import describe, list_cache
+
+    entries = list_cache()
+    if a.json:
+        print(json.dumps([{**e.__dict__, "path": str(e.path)} for e in entries], indent=1))
+    else:
+        print("\n".join(describe(entries)))
+
+
+def cmd_rm(a):
+    from .hub.cache import remove
+
+    total = 0
+    for name in a.names:
+        for path, n in remove(name, a.release_only):
+            print(f"removed {path} ({_fmt_bytes(n)})")
+            total += n
+    print(f"freed {_fmt_bytes(total)}")
+
+
+def _hub_args(p, convert_only: bool = True, download: bool = True):
+    g = p.add_argument_group("models from the Hub (MODEL = ORG/NAME)")
+    g.add_argument("--revision", default=None, help="branch, tag or commit of the Hub repository (default main)")
+    if download:
+        g.add_argument("--dir", default=None, help="download the release here instead of WASTE_CACHE_DIR/hub")
+    if "--experts" not in p._option_string_actions:
+        g.add_argument("--experts", default=None, help="container format of the routed experts (as `waste convert`; "
+                       "default auto)")
+        g.add_argument("--trunk", default=None, help="container format of the trunk (as `waste convert`; default q8)")
+    if convert_only:
+        g.add_argument("--convert-only", action="store_true", help="fetch and convert if needed, print the "
+                       "container's path, stop")
+
+
+def _hub_parsers(sub, parsers):
+    for p in parsers:
+        plan = p.prog.split()[-1] == "plan"
+        _hub_args(p, convert_only=not plan, download=not plan)
+    f = sub.add_parser("fetch", help="download a model from the Hub, resumable, every file checked", description=(
+        "waste fetch ORG/NAME: refuses first, with the numbers, when the disk cannot hold release + container or "
+        "this machine cannot run the model; then downloads what conversion needs (resumes an interrupted fetch) "
+        "and checks every file's size and hash. HF_TOKEN (or `hf auth login`) for private and gated models."))
+    f.add_argument("repo", metavar="ORG/NAME")
+    _hub_args(f, convert_only=False)
+    f.set_defaults(fn=cmd_fetch)
+    ls = sub.add_parser("list", help="the models in the cache: releases and containers, sizes, formats, family")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(fn=cmd_list)
+    rm = sub.add_parser("rm", help="remove a model from the cache and say what it frees", description=(
+        "waste rm NAME...: NAME as `waste list` shows it. ORG/NAME removes the downloaded release and every "
+        "container converted from it; a container's name removes that container."))
+    rm.add_argument("names", nargs="+", metavar="NAME")
+    rm.add_argument("--release-only", action="store_true",
+                    help="for ORG/NAME: remove the downloaded release only; its containers run without it")
+    rm.set_defaults(fn=cmd_rm)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -353,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("model", nargs="?", default=None, help="default: the bundled default model")
     v.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     v.set_defaults(fn=cmd_verify)
+    _hub_parsers(sub, [r, ch, sv, pl, i])
     return p
 
 

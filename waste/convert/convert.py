@@ -79,18 +79,39 @@ def released_expert_format(ckpt: Checkpoint, adapter: Adapter) -> str | None:
     if not names:
         return None
     original = {adapter.canonical(n): n for n in ckpt.weight_names()}
-    got = ckpt.released_parts(original.get(names[0], names[0]))
-    return got[0] if got else None
+    return ckpt.released_format(original.get(names[0], names[0]))
+
+
+def trunk_specs(ckpt: Checkpoint, adapter: Adapter, tfmt) -> tuple[dict, dict, object]:
+    """What the trunk file will hold, from names and shapes alone: (specs: stored name -> (dtype, shape),
+    quantized: matrix -> shape for those stored as tfmt's parts, the float format of everything else)."""
+    specs = {}
+    quantized: dict[str, list[int]] = {}      # trunk matrices stored in the quantized trunk format, as parts
+    ffmt = tfmt if hasattr(tfmt, "dtype") else get_format("bf16")   # the float format of everything else
+    original = {adapter.canonical(n): n for n in ckpt.weight_names()}
+    for n in adapter.trunk_names():
+        dst, shape = adapter.trunk_target(n), ckpt.shape(original[n])
+        if adapter.is_f32(dst, len(shape)):
+            specs[dst] = (torch.float32, shape)
+        elif tfmt is not ffmt and quantizable(dst, shape, tfmt):
+            quantized[dst] = list(shape)
+            for suffix, (dt, pshape) in tfmt.part_specs(tuple(shape)).items():
+                specs[part_name(dst, suffix)] = (dt, list(pshape))
+        else:
+            specs[dst] = (ffmt.dtype, shape)
+    return specs, quantized, ffmt
 
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "auto", trunk: str = DEFAULT_TRUNK,
-            force: bool = False, progress: bool = True, chat: str = "auto", workers: int | None = None) -> Path:
+            force: bool = False, progress: bool = True, chat: str = "auto", workers: int | None = None,
+            provenance: dict | None = None) -> Path:
     """chat: "auto" installs waste's chat.json for the family when the release has no template and its tokenizer
     carries the markup (else the container is completion-only, and its manifest says why); "require" refuses
     the conversion instead; "none" installs no chat.json (text_files.py).
     experts: a format name, or "auto": as released when the release ships quantized experts (mxfp4 kept as is,
     int4 as q4 nibbles holding the same values), else DEFAULT_EXPERTS. trunk: a format name (docs/LEARNED.md
-    says why the defaults). Matrices are quantized by `workers` threads (default one per core)."""
+    says why the defaults). Matrices are quantized by `workers` threads (default one per core). provenance: extra
+    keys for the manifest's provenance (waste/hub adds `hub`: repo, revision, commit)."""
     src, out = Path(src).expanduser(), Path(out).expanduser()
     ckpt = Checkpoint(src)
     adapter = adapter_of(ckpt.config, src)
@@ -115,7 +136,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "auto
         manifest = _write(ckpt, adapter, efmt, tfmt, tmp, progress, released == efmt.name, workers)
         manifest["text"] = text.install(tmp)
         manifest["provenance"] = {"source": str(src), "converter": f"waste {__version__}",
-                                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                  **(provenance or {})}
         manifest["files"] = file_table(tmp, manifest)
         write_manifest(tmp, manifest)
         if out.exists():
@@ -131,20 +153,7 @@ def _write(ckpt: Checkpoint, adapter: Adapter, efmt, tfmt, root: Path, progress:
            workers: int | None = None) -> dict:
     cfg = adapter.config
     trunk_src = {adapter.trunk_target(n): n for n in adapter.trunk_names()}
-    specs = {}
-    quantized: dict[str, list[int]] = {}      # trunk matrices stored in the quantized trunk format, as parts
-    ffmt = tfmt if hasattr(tfmt, "dtype") else get_format("bf16")   # the float format of everything else
-    original = {adapter.canonical(n): n for n in ckpt.weight_names()}
-    for dst, n in trunk_src.items():
-        shape = ckpt.shape(original[n])
-        if adapter.is_f32(dst, len(shape)):
-            specs[dst] = (torch.float32, shape)
-        elif tfmt is not ffmt and quantizable(dst, shape, tfmt):
-            quantized[dst] = list(shape)
-            for suffix, (dt, pshape) in tfmt.part_specs(tuple(shape)).items():
-                specs[part_name(dst, suffix)] = (dt, list(pshape))
-        else:
-            specs[dst] = (ffmt.dtype, shape)
+    specs, quantized, ffmt = trunk_specs(ckpt, adapter, tfmt)
     tw = TrunkWriter(str(root / TRUNK_FILE), specs, {"format": FORMAT_NAME, "trunk_format": tfmt.name})
     vision = VisionWriter(ckpt, adapter, ffmt, root, {"format": FORMAT_NAME, "trunk_format": ffmt.name})
     layout = expert_layout(efmt.name, cfg) if adapter.moe_layers() else None

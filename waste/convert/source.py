@@ -27,6 +27,11 @@ def read_config(src: Path) -> dict:
         raise WasteError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise WasteError(f"{path} must hold a JSON object (a model config), not {type(cfg).__name__}")
+    return unwrap_config(cfg, path)
+
+
+def unwrap_config(cfg: dict, path="config.json") -> dict:
+    """The language model's config, checked: a multimodal release nests it under text_config."""
     if isinstance(cfg.get("text_config"), dict):   # multimodal wrappers keep the language model here
         inner = dict(cfg["text_config"])
         inner.setdefault("model_type", cfg.get("model_type"))
@@ -80,6 +85,18 @@ def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[in
 
 
 class Checkpoint:
+    @classmethod
+    def from_metadata(cls, src: str, config: dict, meta: dict[str, tuple[str, list[int]]], where: dict[str, str]):
+        """A checkpoint known only by its safetensors headers (a release still on the Hub): names, dtypes and
+        shapes answer as they would from the files; reading a tensor is not possible."""
+        self = cls.__new__(cls)
+        self.src, self.config, self._meta, self.where = Path(src), config, dict(meta), dict(where)
+        self.shards, self._handles, self._remote = sorted(set(where.values())), {}, True
+        self._packed_logical()
+        return self
+
+    _remote = False
+
     def __init__(self, src: Path):
         self.src = Path(src)
         if not self.src.is_dir():
@@ -136,7 +153,7 @@ class Checkpoint:
                 kind, logical = "MXFP4", [shape[0], shape[1] * 2]
             elif dt == "I32":
                 kind, logical = "INT4", [shape[0], shape[1] * 8]
-                if base + "_shape" in self._meta:
+                if base + "_shape" in self._meta and not self._remote:
                     logical = [int(v) for v in self._handle(self.where[base + "_shape"]).get_tensor(base + "_shape")]
             else:
                 raise WasteError(f"{k} is {dt}: this converter reads packed uint8 (mxfp4) or int32 (int4) weights")
@@ -164,24 +181,34 @@ class Checkpoint:
     def names_in(self, shard: str) -> list[str]:
         return sorted(k for k in self.weight_names() if self.where[k] == shard)
 
+    def released_format(self, name: str) -> str | None:
+        """The container format that holds a matrix the release ships quantized exactly (from the headers alone):
+        mxfp4 as is; int4 with bf16 scales in groups of 32..256 as q4gNN. Else None."""
+        kind = self.dtype(name)
+        if kind == "MXFP4":
+            return "mxfp4"
+        if kind != "INT4":
+            return None
+        N, K = self.shape(name)
+        sdt, sshape = self._meta[name + "_scale"]
+        g = K // sshape[1]
+        return f"q4g{g}" if sdt == "BF16" and g in (32, 64, 128, 256) and not N % 2 else None
+
     def released_parts(self, name: str):
         """(format name, parts) of a matrix the release ships quantized, in a container format that holds its
         values exactly: mxfp4 as is; int4 (bf16 scales, group 32..256) as q4 nibbles with zero 0. Else None."""
-        kind = self.dtype(name)
-        if kind not in ("MXFP4", "INT4"):
+        fmt = self.released_format(name)
+        if fmt is None:
             return None
         h = self._handle(self.where[name])
         packed, scale = h.get_tensor(name + "_packed"), h.get_tensor(name + "_scale")
         N, K = self.shape(name)
-        if kind == "MXFP4":
+        if fmt == "mxfp4":
             return "mxfp4", {"blocks": packed.contiguous(), "scales": scale.contiguous()}
-        g = K // scale.shape[1]
-        if scale.dtype != torch.bfloat16 or g not in (32, 64, 128, 256) or N % 2:
-            return None
         from ..quant.int4pack import pack_nibbles
 
         sz = torch.stack([scale.t(), torch.zeros_like(scale.t())], -1).contiguous()
-        return f"q4g{g}", {"q": pack_nibbles(_int4_nibbles(packed, N, K)), "sz": sz}
+        return fmt, {"q": pack_nibbles(_int4_nibbles(packed, N, K)), "sz": sz}
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor in a float dtype: as stored for bf16 / f16 / f32 (the formats widen what they need, so a

@@ -75,10 +75,16 @@ def trunk_resident_bytes(container: Container, dtype: torch.dtype) -> int:
     with open(container.trunk_path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
-    f32 = set(container.manifest["trunk"].get("f32_tensors", []))
+    return resident_bytes(header, container.manifest["trunk"], dtype)
+
+
+def resident_bytes(header: dict, trunk: dict, dtype: torch.dtype) -> int:
+    """trunk_resident_bytes from a safetensors-style header and the manifest's `trunk` entry (also what
+    waste/hub builds for a release before it is downloaded)."""
+    f32 = set(trunk.get("f32_tensors", []))
     size = torch.empty(0, dtype=dtype).element_size()
     total = 0
-    quantized = container.manifest["trunk"].get("quantized") or {}     # parts of these stay as stored
+    quantized = trunk.get("quantized") or {}     # parts of these stay as stored
     stored = {"I8": 1, "U8": 1, "I32": 4, "BF16": 2, "F16": 2, "F32": 4}
     for name, info in header.items():
         if name == "__metadata__":
@@ -161,20 +167,24 @@ class MemoryPlan:
 
 def plan_memory(container: Container, dtype: torch.dtype, context: int = 4096, ram: int | None = None,
                 budget: int | None = None) -> MemoryPlan:
-    cfg = container.config
     ex = container.manifest["experts"]
+    return plan_from_sizes(container.config, ex["record_bytes"], [i["num_experts"] for i in ex["layers"].values()],
+                           trunk_resident_bytes(container, dtype), dtype, context, ram, budget)
+
+
+def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk: int, dtype: torch.dtype,
+                    context: int = 4096, ram: int | None = None, budget: int | None = None) -> MemoryPlan:
+    """The plan from the normalised config and sizes alone (waste/hub plans a release before downloading it)."""
     moe = cfg.get("moe") or {}
-    record = ex["record_bytes"]
-    n_moe = len(ex["layers"])
+    n_moe = len(experts_per_layer)
     ws = (moe.get("top_k") or 0) * record * n_moe
-    bank = sum(i["num_experts"] for i in ex["layers"].values()) * record
+    bank = sum(experts_per_layer) * record
     if ram is not None:
         usable, source = ram, "--ram"
     else:
         total, limit = ram_bytes(), cgroup_limit()
         usable, source = (limit, "cgroup limit") if limit and limit < total else (total, "RAM")
     ceiling = int(usable * CEILING)
-    trunk = trunk_resident_bytes(container, dtype)
     st = state_bytes(cfg, context, dtype)
     scratch = scratch_bytes(cfg, context, dtype, record)
     base = process_rss()
