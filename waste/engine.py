@@ -164,7 +164,7 @@ class Generation:
     def _tokens(self) -> Iterator[int]:
         e = self.engine
         model, stats0 = e.model, e.experts.stats.snapshot()
-        state = model.new_state()
+        state = model.take_state()
         t0 = time.perf_counter()
         logits = model.step([(torch.tensor(self.prompt_ids), state, 0)])[0][-1]
         self.stats.prefill_seconds = time.perf_counter() - t0
@@ -180,6 +180,7 @@ class Generation:
                 logits = model.step([(torch.tensor([tok]), state, pos)])[0][-1]
                 pos += 1
         finally:
+            model.give_state(state)
             self.stats.decode_seconds = time.perf_counter() - t1
             s = e.experts.stats
             self.stats.expert_hits = s.hits - stats0.hits

@@ -50,6 +50,11 @@ class KVCache:
         out._k, out._v = self._k.append(k), self._v.append(v)
         return out
 
+    def reset(self) -> "KVCache":
+        out = KVCache.__new__(KVCache)
+        out._k, out._v = self._k.reset(), self._v.reset()
+        return out
+
     def __len__(self):
         return len(self._k)
 

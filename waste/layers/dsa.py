@@ -62,6 +62,10 @@ class IndexerCache:
         z = torch.zeros(0, cfg.head_dim, dtype=dtype, device=device)
         return cls(Rows(z, capacity // cfg.kpool + 1 if capacity else 0), z.clone(), z.clone())
 
+    def reset(self) -> "IndexerCache":
+        z = self.tail_k[:0]
+        return IndexerCache(self.pool_rows.reset(), z, z)
+
 
 @dataclass
 class DSACache:
@@ -75,6 +79,9 @@ class DSACache:
               capacity: int = 0):
         return cls(MLACache.empty(mla_cfg, dtype, device, capacity),
                    IndexerCache.empty(cfg, dtype, device, capacity) if own_indexer else None)
+
+    def reset(self) -> "DSACache":
+        return DSACache(self.mla.reset(), self.index.reset() if self.index is not None else None)
 
     def __len__(self) -> int:
         return len(self.mla)

@@ -70,6 +70,11 @@ class MLACache:
             capacity,
         )
 
+    def reset(self) -> "MLACache":
+        out = MLACache.__new__(MLACache)
+        out._c, out._pe = self._c.reset(), self._pe.reset()
+        return out
+
     def __len__(self) -> int:
         return len(self._c)
 

@@ -52,5 +52,13 @@ class Rows:
         out._b, out.n = b, self.n + T
         return out
 
+    def reset(self) -> "Rows":
+        """No rows, over the same buffer (a finished sequence's state reused for the next one: its memory was
+        allocated and touched once, at the planned context). Earlier versions of this Rows must not be read after."""
+        self._b.filled = 0
+        out = Rows.__new__(Rows)
+        out._b, out.n = self._b, 0
+        return out
+
     def __len__(self) -> int:
         return self.n

@@ -11,6 +11,8 @@ format and device.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +52,8 @@ class DecoderModel:
         make_bank = getattr(experts, "make_bank", None)
         self.bank = make_bank(self.device) if make_bank is not None and self.moe else None
         self.kernel = kernel_for(self.bank.fmt, self.device) if self.bank is not None else None
+        self._pool: list[list] = []             # states of finished sequences, emptied (take_state)
+        self._pool_lock = threading.Lock()
 
     # -- family hooks --------------------------------------------------------------------------------
     def new_layer_state(self, i: int):
@@ -77,6 +81,20 @@ class DecoderModel:
     # -- shared --------------------------------------------------------------------------------------
     def new_state(self) -> list:
         return [self.new_layer_state(i) for i in range(len(self.layers))]
+
+    def take_state(self) -> list:
+        """A sequence's state: a finished sequence's, emptied, when one is free (its buffers were allocated and
+        touched once: a new request does not page-fault its way through the planned context again), else new."""
+        with self._pool_lock:
+            if self._pool:
+                return self._pool.pop()
+        return self.new_state()
+
+    def give_state(self, state: list) -> None:
+        """Hand back the state of a finished sequence for take_state to reuse."""
+        fresh = [s.reset() if hasattr(s, "reset") else self.new_layer_state(i) for i, s in enumerate(state)]
+        with self._pool_lock:
+            self._pool.append(fresh)
 
     def route(self, i: int, x: torch.Tensor):
         lw, m = self.layers[i], self.moe

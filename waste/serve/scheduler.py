@@ -154,7 +154,7 @@ class Scheduler:
         items = []
         for job in jobs:
             if job.state is None:
-                job.state = self.model.new_state()
+                job.state = self.model.take_state()
             items.append((torch.tensor(job.next_ids), job.state, job.pos))
         t0 = time.perf_counter()
         try:
@@ -197,7 +197,9 @@ class Scheduler:
     def _end(self, job: Job, reason: str | None, error: BaseException | None = None) -> None:
         if job in self.running:
             self.running.remove(job)
-        job.state = None          # the KV / recurrent state goes with the request
+        if job.state is not None:   # the KV / recurrent state goes back to the model's pool for the next request
+            self.model.give_state(job.state)
+        job.state = None
         job.finished_at = time.monotonic()
         if error is not None:
             self._post(job, Failed(error))
