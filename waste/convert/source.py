@@ -28,6 +28,7 @@ def read_config(src: Path) -> dict:
     if isinstance(cfg.get("text_config"), dict):   # multimodal wrappers keep the language model here
         inner = dict(cfg["text_config"])
         inner.setdefault("model_type", cfg.get("model_type"))
+        inner["outer_model_type"] = cfg.get("model_type")   # Kimi K3's text config says kimi_linear
         inner.setdefault("quantization_config", cfg.get("quantization_config"))
         for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "vision_config"):
             if k not in inner and k in cfg:
@@ -135,8 +136,7 @@ class Checkpoint:
         kind = self.dtype(name)
         if kind not in ("MXFP4", "INT4"):
             return None
-        h = self._handle(self.where[name])
-        packed, scale = h.get_tensor(name + "_packed"), h.get_tensor(name + "_scale")
+        packed, scale = self._packed(name)
         N, K = self.shape(name)
         if kind == "MXFP4":
             return "mxfp4", {"blocks": packed.contiguous(), "scales": scale.contiguous()}
@@ -153,8 +153,7 @@ class Checkpoint:
         bf16 -> bf16 conversion copies bytes), float32 for fp8 blocks (dequantized with their scale companion) and
         packed weights (unpacked)."""
         if self.dtype(name) in ("MXFP4", "INT4"):
-            h = self._handle(self.where[name])
-            packed, scale = h.get_tensor(name + "_packed"), h.get_tensor(name + "_scale")
+            packed, scale = self._packed(name)
             N, K = self.shape(name)
             if self.dtype(name) == "MXFP4":
                 from ..quant.lowbit import mx_dequantize
@@ -172,6 +171,10 @@ class Checkpoint:
         if not t.is_floating_point():
             raise WasteError(f"{name} has dtype {t.dtype}, which this converter does not read yet")
         return t if t.dtype in (torch.bfloat16, torch.float16, torch.float32) else t.float()
+
+    def _packed(self, name: str):
+        """A compressed-tensors matrix's packed weight and scale, each from its own shard (an index may split them)."""
+        return tuple(self._handle(self.where[name + c]).get_tensor(name + c) for c in ("_packed", "_scale"))
 
     def _handle(self, f: str):
         if f not in self._handles:

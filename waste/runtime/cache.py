@@ -23,7 +23,7 @@ from ..container import Container
 from ..errors import WasteError
 from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
-from .experts import ExpertStats, expert_swiglu, matrix_parts, prepare_record
+from .experts import ExpertStats, expert_act, expert_swiglu, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
 
 
@@ -36,10 +36,13 @@ class ExpertCache:
         self.record_bytes = ex["record_bytes"]
         self.format = ex["format"]
         self.fmt = get_format(self.format)
-        h, inter = cfg["hidden_size"], (cfg.get("moe") or {}).get("intermediate_size", 0)
+        moe = cfg.get("moe") or {}
+        # records are in the width experts read and write: a latent MoE's (K3), else hidden_size
+        h, inter = moe.get("expert_hidden", cfg["hidden_size"]), moe.get("intermediate_size", 0)
         self.shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
         self.repack = self.fmt.needs_prepare()
         self.swiglu_limit = cfg.get("swiglu_limit")    # clamped SwiGLU (GLM-5.3): the experts' activation
+        self.act = expert_act(moe)                     # SiTU-GLU (K3), else None: SwiGLU
         self.dtype, self.verify = dtype, verify
         self.n_records = sum(b.num_experts for b in self.banks.values())
         bank_bytes = self.n_records * self.record_bytes
@@ -227,7 +230,7 @@ class ExpertCache:
     def _run_expert(self, layer, e, x, idx, weights):
         rows, cols = (idx == e).nonzero(as_tuple=True)
         y = expert_swiglu(x[rows], self._slot_parts(self.slot_of[(layer, e)]), self.fmt, self.shapes,
-                          self.swiglu_limit) * weights[rows, cols, None]
+                          self.swiglu_limit, self.act) * weights[rows, cols, None]
         return rows, y.to(x.dtype)
 
     # -- lifecycle ---------------------------------------------------------------------------------

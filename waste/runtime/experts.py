@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layers.mlp import swiglu_act
+from ..errors import WasteError
+from ..layers.mlp import situ_act, swiglu_act
 
 
 @dataclass
@@ -50,14 +51,26 @@ def prepare_record(parts: dict[str, dict[str, torch.Tensor]], fmt, shapes: dict)
                 p[k].copy_(t.reshape(p[k].shape))
 
 
+def expert_act(moe: dict):
+    """The routed experts' gated activation from the manifest's moe entry: None for SwiGLU (the default), or
+    (beta, linear_beta) for Kimi K3's SiTU-GLU (`expert_act: "situ_glu"`)."""
+    act = moe.get("expert_act", "swiglu")
+    if act == "swiglu":
+        return None
+    if act == "situ_glu":
+        return (moe.get("situ_beta", 1.0), moe.get("situ_linear_beta"))
+    raise WasteError(f"the container's expert activation {act!r} is not known to this waste (swiglu, situ_glu)")
+
+
 def expert_swiglu(x: torch.Tensor, parts: dict[str, dict[str, torch.Tensor]], fmt, shapes: dict,
-                  limit: float | None = None) -> torch.Tensor:
+                  limit: float | None = None, act=None) -> torch.Tensor:
     """down(silu(gate x) * up x) straight from a record's stored parts (matrix_parts of its views), through the
     format's own matmul. limit: the config's `swiglu_limit` (clamped SwiGLU, layers/mlp.py swiglu_act); None for
-    the plain form."""
+    the plain form. act: expert_act's (beta, linear_beta) for SiTU-GLU instead."""
     dt = x.dtype
     if fmt.kernel_dtype is not None and dt != fmt.kernel_dtype:
         x = x.to(fmt.kernel_dtype)     # once per expert, not twice per matrix (the format would cast anyway)
     g = fmt.linear(x, parts["gate"], shapes["gate"])
     u = fmt.linear(x, parts["up"], shapes["up"])
-    return fmt.linear(swiglu_act(g, u, limit), parts["down"], shapes["down"]).to(dt)
+    h = swiglu_act(g, u, limit) if act is None else situ_act(g, u, *act)
+    return fmt.linear(h, parts["down"], shapes["down"]).to(dt)
