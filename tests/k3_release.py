@@ -132,3 +132,63 @@ def write_release(dst: Path, experts: str = "mxfp4", seed: int = 0, shards: int 
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}))
     return dst
+
+
+# Kimi's tiktoken layout: 256 reserved ids after the BPE ranks. The config pins bos (+0), eos (+2), the image
+# placeholder (+21) and pad (+255); the XTML markers' ids are this fixture's choice.
+K3_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
+               21: "<|kimi_image_placeholder|>", 255: "[PAD]"}
+
+
+def write_k3_tokenizer(d: Path, ranks: dict[bytes, int]) -> int:
+    """tiktoken.model + a Moonshot tokenizer_config.json (TikTokenTokenizer through tokenization_kimi) carrying the
+    XTML markers; returns the vocabulary size (ranks + 256 reserved)."""
+    import base64
+
+    from waste.text.tokenizer import KIMI_PATTERN_BRANCHES
+
+    n = len(ranks)
+    (d / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n"
+                                              for t, r in sorted(ranks.items(), key=lambda x: x[1])))
+    (d / "tokenization_kimi.py").write_text("pat_str = '|'.join([\n" + "".join(
+        f"    r\"\"\"{b}\"\"\",\n" for b in KIMI_PATTERN_BRANCHES) + "])\n")
+    decoder = {str(n + off): {"content": name, "lstrip": False, "normalized": False, "rstrip": False,
+                              "single_word": False, "special": True} for off, name in K3_SPECIALS.items()}
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TikTokenTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "<|end_of_msg|>", "pad_token": "[PAD]"}))
+    return n + 256
+
+
+def train_ranks(text: str, n_merges: int) -> dict[bytes, int]:
+    """Byte-level BPE ranks learnt on text pre-split by Kimi's pattern (most frequent pair first, ties by bytes)."""
+    from collections import Counter
+
+    import regex
+
+    from waste.text.tokenizer import KIMI_PATTERN
+
+    words = Counter(tuple(bytes([b]) for b in w.encode()) for w in regex.findall(KIMI_PATTERN, text, flags=regex.V1))
+    ranks = {bytes([b]): b for b in range(256)}
+    for _ in range(n_merges):
+        pairs = Counter()
+        for w, c in words.items():
+            for a, b in zip(w, w[1:]):
+                pairs[a, b] += c
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        ranks.setdefault(best[0] + best[1], len(ranks))
+        merged = Counter()
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] += c
+        words = merged
+    return ranks

@@ -43,12 +43,15 @@ def mlx_load(src):
 def k3(request, tmp_path_factory):
     kind = request.param
     root = tmp_path_factory.mktemp(f"k3_{kind}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # a tiny model on a busy 2-core box is many times slower with two (LEARNED.md §3c)
     src = write_release(root / "src", kind)
     write_tokenizer(src, TOKENIZER_TEXT, vocab_size=300)
     out = convert(src, root / "k3.waste", experts="auto" if kind == "mxfp4" else "bf16", trunk="bf16", progress=False)
     eng = waste.load(out, dtype="float32")
     yield {"kind": kind, "src": src, "out": out, "eng": eng, "mlx": mlx_load(src)}
     eng.close()
+    torch.set_num_threads(threads)
 
 
 def to_torch(a) -> torch.Tensor:
