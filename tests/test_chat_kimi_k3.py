@@ -217,3 +217,19 @@ def test_waste_chat_session(k3, tmp_path, monkeypatch):
     assert [m["role"] for m in s.history] == ["user", "assistant", "tool", "assistant"]
     assert s.history[2]["tool_call_id"] == s.history[1]["tool_calls"][0]["id"]
     assert s.history[3]["content"] == "It is sunny."
+
+
+def test_tools_file_refusals(tmp_path):
+    from waste.chat_cli import read_tools
+    from waste.errors import WasteError
+
+    bad = tmp_path / "t.json"
+    for text, why in (("[{", "not valid JSON"), ('{"name": "f"}', "must hold a JSON list"),
+                      ('[{"type": "function", "function": {}}]', "must hold a JSON list")):
+        bad.write_text(text)
+        with pytest.raises(WasteError, match=why):
+            read_tools(str(bad))
+    with pytest.raises(WasteError, match="cannot read --tools"):
+        read_tools(str(tmp_path / "absent.json"))
+    bad.write_text(json.dumps(TOOLS))
+    assert read_tools(str(bad)) == TOOLS
