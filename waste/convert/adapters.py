@@ -52,6 +52,12 @@ def shape_ok(got: list[int], want) -> bool:
     return list(got) == list(want)
 
 
+def shape_text(want) -> str:
+    if isinstance(want, tuple) and want and want[0] in ("numel", "numel>="):
+        return f"{'at least ' if want[0] == 'numel>=' else ''}{want[1]} values"
+    return str(list(want))
+
+
 class Adapter:
     family = ""
     # checkpoint expert tensor name -> (layer, expert, matrix)

@@ -19,7 +19,7 @@ from ..errors import WasteError
 from ..quant.formats import DEFAULT_EXPERTS, DEFAULT_TRUNK, get_format
 from ..quant.linear import part_name, quantizable
 from ..quant.parallel import ParallelQuantizer
-from .adapters import EXPERT_MATRICES, Adapter, adapter_for, shape_ok
+from .adapters import EXPERT_MATRICES, Adapter, adapter_for, shape_ok, shape_text
 from .aside import VisionWriter, drop_notes
 from .source import Checkpoint
 from .text_files import plan_text
@@ -45,19 +45,13 @@ def check_names(ckpt: Checkpoint, adapter: Adapter) -> None:
     for name, want_shape in adapter.expected_shapes().items():
         got = ckpt.shape(original[name])
         if not shape_ok(got, want_shape):
-            raise WasteError(f"{name} has shape {got}, expected {_shape_text(want_shape)} from config.json")
+            raise WasteError(f"{name} has shape {got}, expected {shape_text(want_shape)} from config.json")
     h, inter = expert_dims(c)
     want = {"gate": [inter, h], "up": [inter, h], "down": [h, inter]}
     for name in adapter.expected_expert_names():
         _, _, mat = adapter.classify_expert(name)
         if ckpt.shape(original[name]) != want[mat]:
             raise WasteError(f"{name} has shape {ckpt.shape(original[name])}, expected {want[mat]} from config.json")
-
-
-def _shape_text(want) -> str:
-    if isinstance(want, tuple) and want and want[0] in ("numel", "numel>="):
-        return f"{'at least ' if want[0] == 'numel>=' else ''}{want[1]} values"
-    return str(list(want))
 
 
 def expert_dims(cfg: dict) -> tuple[int, int]:
