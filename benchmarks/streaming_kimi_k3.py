@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -53,43 +54,53 @@ def build(d: Path, layers: int | None) -> Path:
     return out
 
 
+def bench(d: Path, limit: str, n: int, prompt_len: int, routing: str) -> dict:
+    cmd = [str(SHARED / "tools" / "laptop"), "--drop-caches", limit, "--", sys.executable, "-m", "waste", "bench",
+           str(d / "k3.waste"), "-n", str(n), "--prompt-len", str(prompt_len), "--feed", "random",
+           "--routing", routing, "--json"]
+    # one compute thread: numba's OpenMP layer would otherwise reset torch to every core after the first mxfp4
+    # call, and OpenMP spinning on a busy 2-core box costs 3x here (docs/LEARNED.md §3c, §3f)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"bench failed ({p.returncode}): {p.stderr[-2000:]}")
+    r = json.loads(p.stdout)
+    r["laptop"] = p.stderr.strip().splitlines()[-1]
+    dec = r["decode"]
+    print(f"routing {routing}: decode {dec['tok_per_s']:.3f} tok/s, hit {100 * dec['hit_rate']:.1f}%, read "
+          f"{dec['bytes_read'] / 1e9:.2f} GB; I/O bound {dec['io_bound_tok_per_s'] or 0:.3f} tok/s; disk "
+          f"{r['disk_bandwidth_gb_per_s']:.2f} GB/s | {r['laptop']}", flush=True)
+    return r
+
+
 def run(d: Path, limit: str, repeat: int, n: int, prompt_len: int) -> list[dict]:
-    results = []
-    for _ in range(repeat):
-        cmd = [str(SHARED / "tools" / "laptop"), "--drop-caches", limit, "--", sys.executable, "-m", "waste", "bench",
-               str(d / "k3.waste"), "-n", str(n), "--prompt-len", str(prompt_len), "--feed", "random",
-               "--routing", "uniform", "--json"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise SystemExit(f"bench failed ({p.returncode}): {p.stderr[-2000:]}")
-        r = json.loads(p.stdout)
-        r["laptop"] = p.stderr.strip().splitlines()[-1]
-        results.append(r)
-        dec = r["decode"]
-        print(f"decode {dec['tok_per_s']:.3f} tok/s, hit {100 * dec['hit_rate']:.1f}%, read {dec['bytes_read'] / 1e9:.2f} GB "
-              f"in {dec['read_seconds']:.1f} s ({dec['read_gb_per_s']:.2f} GB/s); I/O bound "
-              f"{dec['io_bound_tok_per_s'] or 0:.3f} tok/s; disk {r['disk_bandwidth_gb_per_s']:.2f} GB/s | {r['laptop']}",
-              flush=True)
+    """`repeat` cold runs with uniform routing (what is reported), then one with the random model's own router,
+    which sends nearly every token to the same few experts: its step is the compute of a token, reads aside."""
+    results = [bench(d, limit, n, prompt_len, "uniform") for _ in range(repeat)]
+    results.append(bench(d, limit, n, prompt_len, "model"))
     extrapolate(d, results)
     return results
 
 
 def extrapolate(d: Path, results: list[dict]) -> None:
-    """The real model from the measured pieces: per MoE layer and token, compute (decode time not spent reading) and
-    reads (misses x record / the disk's bandwidth); misses from budget / bank under uniform routing."""
+    """The real model from the measured pieces: per MoE layer and token, compute (the own-router run's step less its
+    I/O bound) and reads (misses x record / the disk's bandwidth), not overlapped; misses from budget / bank under
+    uniform routing. Then the hit rate the seeds' 0.45-0.62 tok/s (0.88 at top-8) would take on this disk."""
     m = json.loads((d / "k3.waste" / "manifest.json").read_text())
     L = len(m["experts"]["layers"])
     rec = m["experts"]["record_bytes"]
     trunk_layer = m["trunk"]["bytes"] / m["config"]["num_layers"]      # q8, per KDA layer (embedding is tiny here)
     med = lambda xs: statistics.median(xs)                             # noqa: E731
-    dec = [r["decode"] for r in results]
-    step = med([x["seconds"] / x["tokens"] for x in dec])
-    reading = med([x["read_seconds"] / x["tokens"] for x in dec])
-    compute = max(step - reading, 0.0) / L
+    uni = [r["decode"] for r in results if r["routing"] == "uniform"]
+    local = [r["decode"] for r in results if r["routing"] == "model"][0]
+    step = med([x["seconds"] / x["tokens"] for x in uni])
+    compute = (local["seconds"] - (local["io_bound_seconds"] or 0.0)) / local["tokens"] / L
     bw = med([r["disk_bandwidth_gb_per_s"] for r in results]) * 1e9
-    print(f"\nmeasured ({L} MoE layer(s), record {rec / 1e6:.1f} MB): {step:.2f} s per token, {reading:.2f} s of it "
-          f"reading; compute {compute:.2f} s per MoE layer and token; disk {bw / 1e9:.2f} GB/s; trunk "
-          f"{trunk_layer / 1e9:.2f} GB per layer (q8)")
+    bound = med([x["io_bound_seconds"] / x["tokens"] for x in uni])
+    print(f"\nmeasured ({L} MoE layer(s), record {rec / 1e6:.1f} MB): uniform routing {step:.2f} s per token against an "
+          f"I/O bound of {bound:.2f} s ({100 * bound / step:.0f}%); compute {compute:.2f} s per layer and token (own "
+          f"router, {100 * local['hit_rate']:.0f}% hits); disk {bw / 1e9:.2f} GB/s; trunk {trunk_layer / 1e9:.2f} GB "
+          "per layer (q8)")
     bank = REAL_MOE_LAYERS * 896 * rec
     trunk = 93 * trunk_layer
     print(f"93 layers: bank {bank / 1e12:.2f} TB, trunk about {trunk / 1e9:.0f} GB at q8 ({trunk / 2e9:.0f} GB at q4)")
@@ -107,6 +118,12 @@ def extrapolate(d: Path, results: list[dict]) -> None:
             cmp = REAL_MOE_LAYERS * compute
             print(f"| {ram / 1e9:.0f} GB | {tname} | {budget / 1e9:.0f} GB | {100 * hit:.1f}% | {reads / 1e9:.1f} GB | "
                   f"{io:.1f} | {cmp:.1f} | {1 / (io + cmp):.3f} (I/O alone {1 / io:.3f}) |")
+    cmp = REAL_MOE_LAYERS * compute
+    for tps, k in ((0.45, 16), (0.62, 16), (0.88, 8)):
+        left = 1 / tps - cmp
+        need = 1 - left * bw / (REAL_MOE_LAYERS * k * rec) if left > 0 else None
+        print(f"{tps} tok/s at top-{k} on this disk and CPU: " + (f"a {100 * need:.0f}% hit rate" if need is not None
+              else f"out of reach (compute alone {cmp:.1f} s per token)"))
 
 
 def main():
