@@ -14,6 +14,7 @@ import sys
 HELP = '''commands:
   /system TEXT   set the system prompt (it survives /reset); /system alone removes it
   /reset         start the conversation over
+  /result TEXT   answer the model's next unanswered tool call with TEXT (with --tools FILE)
   /exit, /quit   leave (Ctrl-D on an empty prompt too)
   /help          this text
 input:
@@ -41,6 +42,7 @@ class Session:
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.system: str | None = args.system
         self.history: list[dict] = []
+        self.tools = read_tools(args.tools) if getattr(args, "tools", None) else None
         color = not os.environ.get("NO_COLOR")
         self.dim_out = color and self.out.isatty()
         self.dim_err = color and self.err.isatty()
@@ -78,6 +80,8 @@ class Session:
         elif name == "/system":
             self.system = arg.strip() or None
             self.note(f"system prompt set ({len(self.system)} characters)" if self.system else "system prompt removed")
+        elif name == "/result":
+            self.result(arg)
         elif name in ("/help", "/?"):
             self.note(HELP)
         else:
@@ -93,10 +97,38 @@ class Session:
 
     # one turn ------------------------------------------------------------------------------------
     def turn(self, text: str) -> None:
+        self.history.append({"role": "user", "content": text})
+        self.reply()
+
+    def pending_calls(self) -> list[dict]:
+        """The last reply's tool calls that no tool message answers yet."""
+        for i in range(len(self.history) - 1, -1, -1):
+            m = self.history[i]
+            if m["role"] == "user":
+                return []
+            if m["role"] == "assistant":
+                answered = {x.get("tool_call_id") for x in self.history[i + 1:] if x["role"] == "tool"}
+                return [c for c in m.get("tool_calls") or [] if c["id"] not in answered]
+        return []
+
+    def result(self, text: str) -> None:
+        """/result TEXT: the next pending call's result; the model replies once every call has one."""
+        calls = self.pending_calls()
+        if not calls:
+            self.note("no tool call is waiting for a result")
+            return
+        self.history.append({"role": "tool", "tool_call_id": calls[0]["id"], "name": calls[0]["function"]["name"],
+                             "content": text})
+        if len(calls) > 1:
+            self.note(f"{len(calls) - 1} more tool call(s) wait for /result")
+        else:
+            self.reply()
+
+    def reply(self) -> None:
+        """One reply of the model to the conversation as it stands (its last message: a user turn or a result)."""
         from .chat import ChatRequestError
 
         a = self.args
-        self.history.append({"role": "user", "content": text})
         convo = ([{"role": "system", "content": self.system}] if self.system else []) + self.history
         completion, shown, interrupted = None, "", False
         try:
@@ -104,7 +136,7 @@ class Session:
                 completion = self.engine.chat(
                     convo, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
                     stop=a.stop or None, stream=True, thinking=False if a.no_thinking else None,
-                    reasoning_effort=a.reasoning_effort)
+                    reasoning_effort=a.reasoning_effort, tools=self.tools)
             except ChatRequestError as e:
                 self.history.pop()
                 self.note(f"refused: {e}" + (" (/reset starts over)" if e.param == "messages" else ""))
@@ -128,6 +160,8 @@ class Session:
             self.history.pop()  # nothing came back: forget the question too
         if completion is not None:
             self.note(completion.stats.line())
+        for call in self.pending_calls():
+            self.note(f"the model calls {call['function']['name']}: answer with /result TEXT")
 
     def show(self, event, shown: str) -> str:
         """Write one event; returns what kind of text the screen ends with."""
@@ -170,6 +204,26 @@ class Session:
                     return
                 continue
             self.turn(text[1:] if text.startswith("//") else text)
+
+
+def read_tools(path: str) -> list:
+    """--tools FILE: a JSON list of OpenAI tool declarations ({"type": "function", "function": {...}})."""
+    import json
+
+    from .errors import WasteError
+
+    try:
+        tools = json.loads(open(path, encoding="utf-8").read())
+    except OSError as e:
+        raise WasteError(f"cannot read --tools {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise WasteError(f"--tools {path} is not valid JSON: {e}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function" and
+                                              isinstance(t.get("function"), dict) and t["function"].get("name")
+                                              for t in tools):
+        raise WasteError(f"--tools {path} must hold a JSON list of tools as OpenAI declares them: "
+                         '[{"type": "function", "function": {"name": ..., "parameters": {...}}}, ...]')
+    return tools
 
 
 def cmd_chat(a, load) -> None:

@@ -416,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--hide-reasoning", action="store_true", help="do not show the model's reasoning")
     ch.add_argument("--no-thinking", action="store_true", help="ask the chat format to turn reasoning off")
     ch.add_argument("--reasoning-effort", default=None, help="passed to the chat format (e.g. low, high, max)")
+    ch.add_argument("--tools", default=None, metavar="FILE",
+                    help="a JSON list of OpenAI tool declarations offered to the model; answer its calls with "
+                         "/result TEXT")
     _engine_args(ch)
     ch.set_defaults(fn=cmd_chat)
 

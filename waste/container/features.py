@@ -20,9 +20,16 @@ def features(manifest: dict) -> list[str]:
                    f"dense below index_topk" + (f", {shared} layer(s) sharing a selection" if shared else ""))
     if cfg.get("swiglu_limit") is not None:
         out.append(f"clamped SwiGLU: silu(min(gate, {cfg['swiglu_limit']:g})) * clamp(up, +-{cfg['swiglu_limit']:g})")
+    if cfg.get("attn_res_block_size"):
+        out.append(f"attention residuals: each sublayer reads a softmax mix of the residual stream's block summaries "
+                   f"(a block every {cfg['attn_res_block_size']} layers) and the current partial sum")
     k = cfg.get("kda") or {}
     if "kda" in kinds and k.get("gate_lower_bound") is not None:
         out.append(f"KDA decay gate with lower bound {k['gate_lower_bound']:g}")
+    if "kda" in kinds and k.get("full_rank_gate"):
+        out.append("KDA full-rank output gate")
+    if "mla" in kinds and (cfg.get("mla") or {}).get("output_gate"):
+        out.append("MLA output gate")
     rope = (cfg.get("mla") or {}).get("rope") if "mla" in kinds else None
     if rope:
         r = f"MLA rotary: {rope['type']}, theta {rope['theta']:g}{', interleaved' if rope.get('interleave') else ''}"
@@ -32,6 +39,14 @@ def features(manifest: dict) -> list[str]:
     elif "mla" in kinds:
         out.append("MLA without rotary")
     moe = cfg.get("moe") or {}
+    if moe.get("latent"):
+        out.append(f"latent MoE: routed experts read and write {moe['expert_hidden']} wide (hidden "
+                   f"{cfg['hidden_size']}), projected down once and up once per layer"
+                   + (", the weighted sum normed" if moe.get("latent_norm") else ""))
+    if moe.get("expert_act") == "situ_glu":
+        lb = moe.get("situ_linear_beta")
+        out.append(f"SiTU-GLU: (b tanh(g/b) sigmoid(g)) * {f'lb tanh(u/lb)' if lb is not None else 'u'}, "
+                   f"b {moe.get('situ_beta', 1.0):g}" + (f", lb {lb:g}" if lb is not None else ""))
     if (moe.get("n_group") or 1) > 1:
         out.append(f"grouped routing: top-{moe['topk_group']} of {moe['n_group']} expert groups")
     v = manifest.get("vision")

@@ -42,6 +42,22 @@ def _rope_theta(cfg: dict) -> float:
     return float(_first(cfg, "rope_theta", default=rp.get("rope_theta", 10000.0)))
 
 
+def shape_ok(got: list[int], want) -> bool:
+    """A tensor's shape against expected_shapes' entry (a shape, or ("numel", n) / ("numel>=", n))."""
+    if isinstance(want, tuple) and want and want[0] in ("numel", "numel>="):
+        n = 1
+        for s in got:
+            n *= s
+        return n == want[1] if want[0] == "numel" else (n >= want[1] and len(got) == 1)
+    return list(got) == list(want)
+
+
+def shape_text(want) -> str:
+    if isinstance(want, tuple) and want and want[0] in ("numel", "numel>="):
+        return f"{'at least ' if want[0] == 'numel>=' else ''}{want[1]} values"
+    return str(list(want))
+
+
 class Adapter:
     family = ""
     # checkpoint expert tensor name -> (layer, expert, matrix)
@@ -99,6 +115,11 @@ class Adapter:
 
     def trunk_target(self, name: str) -> str:
         return name.removeprefix("model.")
+
+    def expected_shapes(self) -> dict:
+        """Trunk tensor name -> the shape config.json implies, checked before anything is written (families
+        that list them; the others check names, and the experts' shapes)."""
+        return {}
 
     def is_f32(self, trunk_name: str, ndim: int) -> bool:
         return ndim == 1 or trunk_name.endswith(self.keep_f32)
@@ -248,8 +269,15 @@ ADAPTERS.update({"glm5_next": Glm5NextAdapter, "glm5_next_text": Glm5NextAdapter
                  "deepseek_v3": DeepseekV3Adapter, "kimi_k2": DeepseekV3Adapter})
 
 
+from .adapter_kimi_k3 import KimiK3Adapter, is_k3   # noqa: E402
+
+ADAPTERS["kimi_k3"] = KimiK3Adapter
+
+
 def adapter_for(hf: dict) -> Adapter:
     mt = hf.get("model_type")
+    if mt in ("kimi_linear", "kimi_k3") and is_k3(hf):   # K3 nests a text config that says kimi_linear
+        mt = "kimi_k3"
     if mt not in ADAPTERS:
         raise WasteError(f"unsupported model_type {mt!r}; waste can convert: {', '.join(ADAPTERS)}")
     return ADAPTERS[mt](hf)

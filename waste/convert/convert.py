@@ -19,7 +19,7 @@ from ..errors import WasteError
 from ..quant.formats import DEFAULT_EXPERTS, DEFAULT_TRUNK, get_format
 from ..quant.linear import part_name, quantizable
 from ..quant.parallel import ParallelQuantizer
-from .adapters import EXPERT_MATRICES, Adapter, adapter_for
+from .adapters import EXPERT_MATRICES, Adapter, adapter_for, shape_ok, shape_text
 from .aside import VisionWriter, drop_notes
 from .source import Checkpoint
 from .text_files import plan_text
@@ -54,7 +54,11 @@ def check_names(ckpt: Checkpoint, adapter: Adapter) -> None:
     if msgs:
         raise WasteError(f"{ckpt.src} does not match the {adapter.family} layout: " + "; ".join(msgs))
     c = adapter.config
-    h, inter = c["hidden_size"], c["moe"]["intermediate_size"] if c.get("moe") else 0
+    for name, want_shape in adapter.expected_shapes().items():
+        got = ckpt.shape(original[name])
+        if not shape_ok(got, want_shape):
+            raise WasteError(f"{name} has shape {got}, expected {shape_text(want_shape)} from config.json")
+    h, inter = expert_dims(c)
     want = {"gate": [inter, h], "up": [inter, h], "down": [h, inter]}
     for name in adapter.expected_expert_names():
         _, _, mat = adapter.classify_expert(name)
@@ -62,9 +66,16 @@ def check_names(ckpt: Checkpoint, adapter: Adapter) -> None:
             raise WasteError(f"{name} has shape {ckpt.shape(original[name])}, expected {want[mat]} from config.json")
 
 
+def expert_dims(cfg: dict) -> tuple[int, int]:
+    """(the width routed experts read and write, their intermediate width): `moe.expert_hidden` is the latent
+    width of a latent MoE (Kimi K3), else the model's hidden_size."""
+    moe = cfg.get("moe") or {}
+    return moe.get("expert_hidden", cfg["hidden_size"]), moe.get("intermediate_size") or 0
+
+
 def expert_layout(fmt_name: str, cfg: dict) -> RecordLayout:
     fmt = get_format(fmt_name)
-    h, inter = cfg["hidden_size"], cfg["moe"]["intermediate_size"]
+    h, inter = expert_dims(cfg)
     shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
     tensors = {}
     for m in EXPERT_MATRICES:
@@ -122,7 +133,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "auto
         experts = released or DEFAULT_EXPERTS
     efmt, tfmt = get_format(experts), get_format(trunk)
     if adapter.moe_layers():
-        h, inter = adapter.config["hidden_size"], adapter.config["moe"]["intermediate_size"]
+        h, inter = expert_dims(adapter.config)
         for shape in ((inter, h), (h, inter)):
             if not efmt.supports(shape):
                 raise WasteError(f"the {efmt.name} format cannot store this model's experts ({shape[0]} x {shape[1]} "
@@ -219,7 +230,7 @@ def _write(ckpt: Checkpoint, adapter: Adapter, efmt, tfmt, root: Path, progress:
     stored_parts = {part_name(d, x) for d, shp in quantized.items() for x in tfmt.part_specs(tuple(shp))}
     trunk_params = sum(torch.Size(s).numel() for d, (_, s) in specs.items() if d not in stored_parts)
     trunk_params += sum(torch.Size(s).numel() for s in quantized.values())
-    expert_params = 3 * cfg["hidden_size"] * cfg["moe"]["intermediate_size"] if layout else 0
+    expert_params = 3 * expert_dims(cfg)[0] * expert_dims(cfg)[1] if layout else 0
     n_moe = len(banks)
     text = {}   # convert() installs the text files (text_files.py)
     return {

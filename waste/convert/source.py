@@ -35,6 +35,7 @@ def unwrap_config(cfg: dict, path="config.json") -> dict:
     if isinstance(cfg.get("text_config"), dict):   # multimodal wrappers keep the language model here
         inner = dict(cfg["text_config"])
         inner.setdefault("model_type", cfg.get("model_type"))
+        inner["outer_model_type"] = cfg.get("model_type")   # Kimi K3's text config says kimi_linear
         inner.setdefault("quantization_config", cfg.get("quantization_config"))
         for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "vision_config"):
             if k not in inner and k in cfg:
@@ -200,8 +201,7 @@ class Checkpoint:
         fmt = self.released_format(name)
         if fmt is None:
             return None
-        h = self._handle(self.where[name])
-        packed, scale = h.get_tensor(name + "_packed"), h.get_tensor(name + "_scale")
+        packed, scale = self._packed(name)
         N, K = self.shape(name)
         if fmt == "mxfp4":
             return "mxfp4", {"blocks": packed.contiguous(), "scales": scale.contiguous()}
@@ -215,8 +215,7 @@ class Checkpoint:
         bf16 -> bf16 conversion copies bytes), float32 for fp8 blocks (dequantized with their scale companion) and
         packed weights (unpacked)."""
         if self.dtype(name) in ("MXFP4", "INT4"):
-            h = self._handle(self.where[name])
-            packed, scale = h.get_tensor(name + "_packed"), h.get_tensor(name + "_scale")
+            packed, scale = self._packed(name)
             N, K = self.shape(name)
             if self.dtype(name) == "MXFP4":
                 from ..quant.lowbit import mx_dequantize
@@ -234,6 +233,10 @@ class Checkpoint:
         if not t.is_floating_point():
             raise WasteError(f"{name} has dtype {t.dtype}, which this converter does not read yet")
         return t if t.dtype in (torch.bfloat16, torch.float16, torch.float32) else t.float()
+
+    def _packed(self, name: str):
+        """A compressed-tensors matrix's packed weight and scale, each from its own shard (an index may split them)."""
+        return tuple(self._handle(self.where[name + c]).get_tensor(name + c) for c in ("_packed", "_scale"))
 
     def _handle(self, f: str):
         if f not in self._handles:

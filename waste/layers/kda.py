@@ -32,6 +32,7 @@ class KDAConfig:
     conv_kernel: int
     eps: float  # o_norm (gated RMSNorm) epsilon: the model's rms_norm_eps
     lower_bound: float | None = None  # GLM-5.3's safe gate: g = lower_bound * sigmoid(exp(A_log) * f); None: Kimi's gate
+    full_rank_gate: bool = False  # Kimi K3: the output gate is one g_proj [H*d, hidden], not g_b(g_a(x))
 
 
 @dataclass
@@ -92,7 +93,7 @@ def kda_gate(x: Tensor, w: dict[str, Tensor], cfg: KDAConfig, dtype: torch.dtype
     H, d = cfg.num_heads, cfg.head_dim
     f = _linear(_linear(x, w["f_a_proj.weight"]), w["f_b_proj.weight"]).to(dtype)
     f = f + w["dt_bias"].to(dtype).reshape(H * d)
-    A = torch.exp(w["A_log"].to(dtype).reshape(H))  # stored [1,1,H,1] (Kimi) or [H] (GLM)
+    A = torch.exp(w["A_log"].to(dtype).reshape(H))  # stored [1,1,H,1] (Kimi) or [H] (GLM, K3)
     if cfg.lower_bound is not None:
         return cfg.lower_bound * torch.sigmoid(A[:, None] * f.view(-1, H, d))
     return -A[:, None] * F.softplus(f.view(-1, H, d))
@@ -203,7 +204,10 @@ def kda_forward(
     recur = kda_recurrent if T == 1 else kda_chunked
     o, S = recur(q, k, v, g, beta, state.S.to(cd))
 
-    gate = _linear(_linear(x, w["g_a_proj.weight"]), w["g_b_proj.weight"]).view(T, H, d)
+    if cfg.full_rank_gate:
+        gate = _linear(x, w["g_proj.weight"]).view(T, H, d)
+    else:
+        gate = _linear(_linear(x, w["g_a_proj.weight"]), w["g_b_proj.weight"]).view(T, H, d)
     o = gated_rms_norm(o.to(x.dtype), gate, w["o_norm.weight"], cfg.eps)
     out = _linear(o.reshape(T, H * d), w["o_proj.weight"])
     return out, KDAState(conv_q, conv_k, conv_v, S)

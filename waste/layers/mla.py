@@ -37,6 +37,7 @@ class MLAConfig:
     eps: float  # of q_a_layernorm / kv_a_layernorm (transformers uses its RMSNorm default 1e-6 there)
     softmax_scale: float  # (nope + rope)^-0.5, times mscale^2 under YaRN
     rope: Rope | None = None
+    output_gate: bool = False  # Kimi K3 (mla_use_output_gate): o *= sigmoid(g_proj x) before o_proj
 
 
 class MLACache:
@@ -160,5 +161,7 @@ def mla_forward(
     # query t sits at cache position P + t and sees keys 0 .. P + t
     mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).triu(P + 1)
     attend = _attend_absorbed if (T == 1 if absorb is None else absorb) else _attend_naive
-    o = attend(q_nope, q_pe, cache.c_kv, cache.k_pe, w["kv_b_proj.weight"], mask, cfg)
-    return _linear(o.reshape(T, H * cfg.v_head_dim), w["o_proj.weight"]), cache
+    o = attend(q_nope, q_pe, cache.c_kv, cache.k_pe, w["kv_b_proj.weight"], mask, cfg).reshape(T, H * cfg.v_head_dim)
+    if cfg.output_gate:
+        o = o * torch.sigmoid(_linear(x, w["g_proj.weight"]))
+    return _linear(o, w["o_proj.weight"]), cache

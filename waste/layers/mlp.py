@@ -24,3 +24,21 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 def dense_mlp(x: torch.Tensor, w: dict, prefix: str = "", limit: float | None = None) -> torch.Tensor:
     return swiglu(x, w[f"{prefix}gate_proj.weight"], w[f"{prefix}up_proj.weight"], w[f"{prefix}down_proj.weight"],
                   limit)
+
+
+def situ_act(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """Kimi K3's SiTU-GLU: (b tanh(g / b) sigmoid(g)) * (lb tanh(u / lb)), both factors soft-capped (b = beta,
+    lb = linear_beta; no cap on u when it is None). Computed in float32 at least, returned in g's dtype."""
+    dt = g.dtype
+    cd = torch.promote_types(dt, torch.float32)
+    g, u = g.to(cd), u.to(cd)
+    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (a * u).to(dt)
+
+
+def situ_mlp(x: torch.Tensor, w: dict, prefix: str, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """A SiTU-GLU MLP (K3's dense layer and shared experts): down(situ(gate x, up x))."""
+    g, u = linear(x, w[f"{prefix}gate_proj.weight"]), linear(x, w[f"{prefix}up_proj.weight"])
+    return linear(situ_act(g, u, beta, linear_beta), w[f"{prefix}down_proj.weight"])

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .mlp import swiglu_act
+from .mlp import situ_act, swiglu_act
 
 MATRICES = ("gate", "up", "down")
 
@@ -34,9 +34,14 @@ class Bank:
     parts: dict[str, dict[str, torch.Tensor]]
     shapes: dict[str, tuple[int, int]]
     fmt: object
-    limit: float | None = None
+    limit: float | None = None                     # clamped SwiGLU's limit (GLM-5.3)
     gate_up: torch.Tensor | None = None
+    act: tuple | None = None                       # (beta, linear_beta): SiTU-GLU (Kimi K3) instead of SwiGLU
     _by_slot: dict = field(default_factory=dict)
+
+    def activate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The experts' gated activation of gate and up outputs."""
+        return swiglu_act(g, u, self.limit) if self.act is None else situ_act(g, u, *self.act)
 
     def slot_parts(self, slot: int) -> dict[str, dict[str, torch.Tensor]]:
         """One slot's matrices (views; made once per slot, the slab never moves)."""
@@ -73,7 +78,7 @@ def expert_rows(x: torch.Tensor, parts: dict, bank: Bank) -> torch.Tensor:
         x = x.to(fmt.kernel_dtype)     # once per expert, not once per matrix
     g = fmt.linear(x, parts["gate"], sh["gate"])
     u = fmt.linear(x, parts["up"], sh["up"])
-    return fmt.linear(swiglu_act(g, u, bank.limit), parts["down"], sh["down"]).to(dt)
+    return fmt.linear(bank.activate(g, u), parts["down"], sh["down"]).to(dt)
 
 
 def segments(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
@@ -109,7 +114,7 @@ def _gather(x: torch.Tensor, slots: torch.Tensor, bank: Bank, mv) -> torch.Tenso
         g, u = gu[:, :inter], gu[:, inter:]
     else:
         g, u = mv("gate", flat, xr), mv("up", flat, xr)
-    return mv("down", flat, swiglu_act(g, u, bank.limit)).view(T, k, -1)
+    return mv("down", flat, bank.activate(g, u)).view(T, k, -1)
 
 
 @register("float", "cpu")
@@ -147,7 +152,7 @@ def per_pair(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
     ys = []
     for s in slots[0].tolist():
         p = bank.slot_parts(s)
-        h = swiglu_act(fmt.linear(xk, p["gate"], sh["gate"]), fmt.linear(xk, p["up"], sh["up"]), bank.limit)
+        h = bank.activate(fmt.linear(xk, p["gate"], sh["gate"]), fmt.linear(xk, p["up"], sh["up"]))
         ys.append(fmt.linear(h, p["down"], sh["down"]))
     return torch.stack(ys, 1).to(dt)
 

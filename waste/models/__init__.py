@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..errors import WasteError
 
-SUPPORTED = ("qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3")
+SUPPORTED = ("qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3", "kimi_k3")
 
 
 def check_family(family: str) -> None:
@@ -18,6 +18,8 @@ def build_model(family: str, config: dict, trunk: dict, experts, dtype, f32_name
         from .qwen3_moe import Qwen3Moe as cls
     elif family == "glm5_next":
         from .glm5_next import Glm5Next as cls
+    elif family == "kimi_k3":
+        from .kimi_k3 import KimiK3 as cls
     elif family == "deepseek_v3":
         from .deepseek_v3 import DeepseekV3 as cls
     else:

@@ -78,6 +78,18 @@ class DecoderModel:
     def stream_out(self, h) -> torch.Tensor:
         return h
 
+    def ffn(self, x: torch.Tensor, lw: dict, prefix: str) -> torch.Tensor:
+        """A dense MLP (a dense layer's, or the shared experts') under `prefix` (K3: SiTU-GLU)."""
+        return dense_mlp(x, lw, prefix, self.swiglu_limit)
+
+    def expert_in(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """The rows the routed experts read (K3's latent MoE: projected down to the latent width)."""
+        return x
+
+    def expert_out(self, i: int, y: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum, back in the residual width (K3: normed and projected up)."""
+        return y
+
     # -- shared --------------------------------------------------------------------------------------
     def new_state(self) -> list:
         return [self.new_layer_state(i) for i in range(len(self.layers))]
@@ -114,20 +126,22 @@ class DecoderModel:
         lw, timer = self.layers[i], self.timer
         if self.dense[i]:
             with timer.section("trunk matvec"):
-                return [dense_mlp(x, lw, "mlp.", self.swiglu_limit) for x in xs]
+                return [self.ffn(x, lw, "mlp.") for x in xs]
         with timer.section("router"):
             routed = [self.route(i, x) for x in xs]
         if self.route_trace is not None:
             self.route_trace.extend((i, idx.clone()) for _, idx in routed)
         ys = None
         with timer.section("expert compute"):
+            ins = [self.expert_in(i, x) for x in xs]
             for slots, complete in self.experts.resident(i, [idx for _, idx in routed]):
                 part = [routed_experts(x, s, w, self.bank, self.kernel, complete)
-                        for x, s, (w, _) in zip(xs, slots, routed)]
+                        for x, s, (w, _) in zip(ins, slots, routed)]
                 ys = part if ys is None else [a + b for a, b in zip(ys, part)]
+            ys = [self.expert_out(i, y) for y in ys]
         if self.moe.get("num_shared_experts"):
             with timer.section("trunk matvec"):
-                ys = [y + dense_mlp(x, lw, "mlp.shared_experts.", self.swiglu_limit) for x, y in zip(xs, ys)]
+                ys = [y + self.ffn(x, lw, "mlp.shared_experts.") for x, y in zip(xs, ys)]
         return ys
 
     @torch.inference_mode()

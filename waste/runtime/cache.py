@@ -27,7 +27,7 @@ from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
 from ..container.bank import _DTYPES
 from ..layers.moe import MATRICES, Bank
-from .experts import ExpertStats, matrix_parts, prepare_record
+from .experts import ExpertStats, expert_act, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
 
 
@@ -40,10 +40,13 @@ class ExpertCache:
         self.record_bytes = ex["record_bytes"]
         self.format = ex["format"]
         self.fmt = get_format(self.format)
-        h, inter = cfg["hidden_size"], (cfg.get("moe") or {}).get("intermediate_size", 0)
+        moe = cfg.get("moe") or {}
+        # records are in the width experts read and write: a latent MoE's (K3), else hidden_size
+        h, inter = moe.get("expert_hidden", cfg["hidden_size"]), moe.get("intermediate_size", 0)
         self.shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
         self.repack = self.fmt.needs_prepare()
         self.swiglu_limit = cfg.get("swiglu_limit")    # clamped SwiGLU (GLM-5.3): the experts' activation
+        self.act = expert_act(moe)                     # SiTU-GLU (K3), else None: SwiGLU
         self.dtype, self.verify = dtype, verify
         self.n_records = sum(b.num_experts for b in self.banks.values())
         bank_bytes = self.n_records * self.record_bytes
@@ -163,7 +166,7 @@ class ExpertCache:
         if g and u and g[2] == u[2] and u[0] == g[0] + g[1] and self.fmt.kind == "float":
             inter, h = self.shapes["gate"]
             gate_up = rows[:, g[0]:g[0] + 2 * g[1]].view(_DTYPES[g[2]]).view(self.n_slots, 2 * inter, h)
-        return Bank(parts, self.shapes, self.fmt, self.swiglu_limit, gate_up)
+        return Bank(parts, self.shapes, self.fmt, self.swiglu_limit, gate_up, self.act)
 
     def resident(self, layer: int, idxs: list[torch.Tensor]):
         """Make the experts that idxs (one [T, k] tensor of expert ids per sequence) route to resident, and yield

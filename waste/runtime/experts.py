@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import WasteError
 
 
 @dataclass
@@ -48,3 +49,14 @@ def prepare_record(parts: dict[str, dict[str, torch.Tensor]], fmt, shapes: dict)
                     raise RuntimeError(f"{fmt.name}: this torch's kernel layout for {m}.{k} ({t.dtype}, {t.numel()}) "
                                        f"differs in size from the stored one; it cannot be repacked in place")
                 p[k].copy_(t.reshape(p[k].shape))
+
+
+def expert_act(moe: dict):
+    """The routed experts' gated activation from the manifest's moe entry: None for SwiGLU (the default), or
+    (beta, linear_beta) for Kimi K3's SiTU-GLU (`expert_act: "situ_glu"`)."""
+    act = moe.get("expert_act", "swiglu")
+    if act == "swiglu":
+        return None
+    if act == "situ_glu":
+        return (moe.get("situ_beta", 1.0), moe.get("situ_linear_beta"))
+    raise WasteError(f"the container's expert activation {act!r} is not known to this waste (swiglu, situ_glu)")
