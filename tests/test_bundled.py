@@ -9,6 +9,7 @@ import torch
 import waste
 from waste.convert.convert import convert
 from waste.default_model import BUNDLED
+from waste.quant.quality import logits_over
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_py_moe_fibonacci.txt"
 PROMPT = "def fibonacci(n):"
@@ -46,21 +47,33 @@ def test_logits_and_routing_match_transformers_on_real_text(bundled, oracle):
     ids = torch.tensor(bundled.encode(TEXT))
     with torch.no_grad():
         ref = oracle[0](ids[None]).logits[0]
-    logits = bundled.model.forward(ids, bundled.model.new_state(), 0)
-    assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
+    logits = logits_over(bundled, ids.tolist())
+    err = ((logits - ref).norm() / ref.norm()).item()
+    print(f"bundled model logits rel L2 {err:.2e} over {len(ids)} tokens")
+    assert err < 4e-6          # measured 4.3e-7 (docs/LEARNED.md §2e)
     assert torch.equal(logits.argmax(-1), ref.argmax(-1))
 
 
 def test_greedy_text_matches_transformers(bundled, oracle):
+    """48 greedy tokens each (neither side stopping at an end id), equal."""
+    from waste.quant.quality import greedy
+
+    ids = bundled.encode(PROMPT)
+    with torch.no_grad():
+        ref = oracle[0].generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+    assert len(ref) == 48 and greedy(bundled, ids, 48) == ref
+
+
+def test_greedy_continuation_is_golden(bundled, oracle):
+    """The golden file holds transformers' greedy continuation (stopping where it stops), so it is an outside answer,
+    and the engine's `generate` prints it: a change in either shows here."""
     ids = bundled.encode(PROMPT)
     with torch.no_grad():
         ref = oracle[0].generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
     g = bundled.generate(PROMPT, max_tokens=48)
-    assert g.token_ids == ref[:len(g.token_ids)]
-
-
-def test_greedy_continuation_is_golden(bundled):
-    text = PROMPT + bundled.generate(PROMPT, max_tokens=48).text
+    text = PROMPT + g.text
     if os.environ.get("WASTE_REGEN_GOLDEN"):
-        GOLDEN.write_text(text)
-    assert text == GOLDEN.read_text()
+        GOLDEN.write_text(PROMPT + oracle[1].decode(ref, skip_special_tokens=True))
+    assert len(g.token_ids) >= 16 and g.token_ids == ref
+    assert text == GOLDEN.read_text() == PROMPT + oracle[1].decode(ref, skip_special_tokens=True)
