@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import waste
-from fixtures import greedy_pair, prompt, rel_l2, split_and_whole
+from fixtures import engine_forward, greedy_pair, prompt, rel_l2, split_and_whole
 
 FAMILIES = ["qwen3_moe", "kimi_linear"]
 LENGTH = {"qwen3_moe": 24, "kimi_linear": 80}   # 80 crosses KDA's 64-token chunk
@@ -38,12 +38,7 @@ def test_logits_and_routing_match_transformers(family, releases, engines):
     hf, eng = releases[family][0], engines[family]
     ids = prompt(LENGTH[family])
     ref, ref_routes = hf_routes(hf, ids)
-    eng.model.route_trace = []
-    try:
-        logits = eng.model.forward(ids, eng.model.new_state(), 0)
-        ours = dict(eng.model.route_trace)
-    finally:
-        eng.model.route_trace = None
+    logits, ours = engine_forward(eng, ids)
     print(f"{family} logits {rel_l2(logits, ref):.2e}")
     assert rel_l2(logits, ref) < LOGITS[family]
     assert sorted(ours) == sorted(ref_routes) and ours

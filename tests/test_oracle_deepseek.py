@@ -10,7 +10,7 @@ sys.modules.setdefault("fla", None)
 
 import pytest
 import torch
-from fixtures import _randomise, greedy_pair, prompt, rel_l2, save_release, split_and_whole
+from fixtures import _randomise, engine_forward, greedy_pair, prompt, rel_l2, save_release, split_and_whole
 from safetensors.torch import load_file, save_file
 
 import waste
@@ -125,13 +125,7 @@ def test_release_config_as_deepseek_writes_it():
 def test_logits_and_routing_match_transformers(ds):
     ids = prompt(100)                      # past original_max_position_embeddings (64): YaRN's interpolated band
     ref, ref_routes = hf_routes(ds["hf"], ids)
-    m = ds["eng"].model
-    m.route_trace = []
-    try:
-        logits = m.forward(ids, m.new_state(), 0)
-        ours = dict(m.route_trace)
-    finally:
-        m.route_trace = None
+    logits, ours = engine_forward(ds["eng"], ids)
     err = rel_l2(logits, ref)
     print(f"deepseek_v3 logits rel L2 {err:.2e}")
     assert err < 8e-6                     # measured 8.2e-7

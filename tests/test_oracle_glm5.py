@@ -15,7 +15,7 @@ sys.modules.setdefault("fla", None)
 import pytest
 import torch
 import torch.nn.functional as F
-from fixtures import _randomise, greedy_pair, prompt, rel_l2, save_release, split_and_whole
+from fixtures import _randomise, engine_forward, greedy_pair, prompt, rel_l2, save_release, split_and_whole
 
 import waste
 from waste.convert.convert import convert
@@ -131,13 +131,7 @@ def hf_index_scores(indexer, x, q_resid):
 def test_dense_logits_and_routing_match_transformers(glm):
     ids = prompt(80)                       # crosses KDA's 64-token chunk; 80 <= index_topk: the dense path
     ref, ref_routes, _ = hf_forward(glm["hf"], ids)
-    m = glm["eng"].model
-    m.route_trace = []
-    try:
-        logits = m.forward(ids, m.new_state(), 0)
-        ours = dict(m.route_trace)
-    finally:
-        m.route_trace = None
+    logits, ours = engine_forward(glm["eng"], ids)
     err = rel_l2(logits, ref)
     print(f"glm5_next dense logits rel L2 {err:.2e}")
     assert err < 2e-5                     # measured 2.2e-6
