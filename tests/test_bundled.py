@@ -54,26 +54,29 @@ def test_logits_and_routing_match_transformers_on_real_text(bundled, oracle):
     assert torch.equal(logits.argmax(-1), ref.argmax(-1))
 
 
-def test_greedy_text_matches_transformers(bundled, oracle):
+@pytest.fixture(scope="module")
+def oracle_greedy(bundled, oracle):
+    """transformers' 48 greedy tokens after PROMPT, not stopping at an end id."""
+    ids = bundled.encode(PROMPT)
+    with torch.no_grad():
+        return oracle[0].generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(ids):].tolist()
+
+
+def test_greedy_text_matches_transformers(bundled, oracle_greedy):
     """48 greedy tokens each (neither side stopping at an end id), equal."""
     from waste.quant.quality import greedy
 
-    ids = bundled.encode(PROMPT)
-    with torch.no_grad():
-        ref = oracle[0].generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(ids):].tolist()
-    assert len(ref) == 48 and greedy(bundled, ids, 48) == ref
+    assert len(oracle_greedy) == 48 and greedy(bundled, bundled.encode(PROMPT), 48) == oracle_greedy
 
 
-def test_greedy_continuation_is_golden(bundled, oracle):
-    """The golden file holds transformers' greedy continuation (stopping where it stops), so it is an outside answer,
-    and the engine's `generate` prints it: a change in either shows here."""
-    ids = bundled.encode(PROMPT)
-    with torch.no_grad():
-        ref = oracle[0].generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
+def test_greedy_continuation_is_golden(bundled, oracle, oracle_greedy):
+    """The golden file holds transformers' greedy continuation, so it is an outside answer, and the engine's
+    `generate` prints it (stopping at an end id where transformers' continuation has one): a change in either shows."""
     g = bundled.generate(PROMPT, max_tokens=48)
-    text = PROMPT + g.text
+    n = len(g.token_ids)
+    assert n >= 16 and g.token_ids == oracle_greedy[:n] and (n == 48 or g.token_ids[-1] in bundled.eos_ids)
+    ref_text = oracle[1].decode(oracle_greedy[:n], skip_special_tokens=True)
     if os.environ.get("WASTE_REGEN_GOLDEN"):
-        GOLDEN.write_text(PROMPT + oracle[1].decode(ref, skip_special_tokens=True))
-    assert len(g.token_ids) >= 16 and g.token_ids == ref
-    assert text == GOLDEN.read_text() == PROMPT + oracle[1].decode(ref, skip_special_tokens=True)
+        GOLDEN.write_text(PROMPT + ref_text)
+    assert PROMPT + g.text == GOLDEN.read_text() == PROMPT + ref_text
