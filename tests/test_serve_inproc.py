@@ -179,7 +179,7 @@ def _wait_cancelled(state, before: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-STEP = 0.05      # seconds a decode step is made to take in the disconnect test
+STEP = 0.2       # seconds a decode step is made to take in the disconnect test (slack for a loaded machine)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +222,7 @@ def test_disconnect_stops_generation_within_one_step(plain, monkeypatch):
                 at_close = len(made)
         else:
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+                httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
             at_close = len(made)
         _wait_cancelled(state, before)
         print(f"stream={stream}: {at_close - start} tokens before the close, {len(made) - at_close} after")
