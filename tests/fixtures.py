@@ -105,3 +105,15 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def prompt(n: int, seed: int = 1) -> torch.Tensor:
     """n seeded token ids inside every fixture's vocabulary."""
     return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def engine_forward(engine, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The engine's logits over ids from a fresh state, and per MoE layer the [T, k] expert ids it routed each token
+    to (the one place the tests read the model's route trace)."""
+    m = engine.model
+    m.route_trace = []
+    try:
+        logits = m.forward(ids, m.new_state(), 0)
+        return logits, dict(m.route_trace)
+    finally:
+        m.route_trace = None

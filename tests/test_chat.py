@@ -1,8 +1,8 @@
 """Engine.chat: the container's chat format renders as transformers does, replies stop at the format's end of
 turn, reasoning and tool calls are parsed as they stream, and what a format cannot express is refused by name.
 
-Replies with a known shape are forced: the model's sampler is replaced by canned token ids, so the rest of
-the path (stop ids, detokenizing, stop strings, the parser, finish_reason, usage) is the real one."""
+Replies with a known shape are forced: the sampler picks canned token ids, so the rest of the path (model steps,
+stop ids, detokenizing, stop strings, the parser, finish_reason, usage) is the real one."""
 import copy
 import json
 import shutil
@@ -14,7 +14,6 @@ import waste
 from waste.chat import ChatRequestError, UnsupportedChatFormat, chat_support, load_chat_format, normalise_messages
 from waste.container import open_container
 from waste.convert.convert import convert
-from waste.engine import Generation
 from waste.text.parsers import Content, Reasoning, ToolCall
 from waste.text.tokenizer import load_tokenizer
 
@@ -65,18 +64,25 @@ def chatml(releases):
     eng.close()
 
 
-def force(monkeypatch, ids):
-    """Generation yields these ids instead of sampling (stopping where a real one would)."""
+def force(monkeypatch, ids) -> list[int]:
+    """The sampler picks these ids in turn instead of sampling: the model still runs a forward for every step, and
+    the loop that stops at end ids, the detokenizing, stop strings, parser, finish_reason and usage are the
+    engine's own. Returns a list that grows by one for each token the engine asked for; asking past the canned ids
+    fails the test (the engine did not stop where it should have)."""
+    from waste.runtime.sampling import Sampler
 
-    def tokens(self):
-        for t in ids[: self.max_tokens]:
-            self.token_ids.append(t)
-            self.stats.generated_tokens += 1
-            yield t
-            if t in self.stop_ids:
-                break
+    asked = []
 
-    monkeypatch.setattr(Generation, "_tokens", tokens)
+    def pick(self, logits):
+        n = getattr(self, "_forced", 0)
+        self._forced = n + 1
+        asked.append(n)
+        assert logits.ndim == 1 and logits.numel() >= 256      # a real forward's logits
+        assert n < len(ids), "the engine asked for a token past the forced reply"
+        return ids[n]
+
+    monkeypatch.setattr(Sampler, "__call__", pick)
+    return asked
 
 
 @needs_qwen3
@@ -108,7 +114,7 @@ def test_template_stop_reasoning_and_content(qwen3, monkeypatch):
     tok = eng.tokenizer
     end = tok.token_to_id("<|im_end|>")
     assert end in load_chat_format(eng.container, tok).stop_ids   # the turn end, found by rendering the template
-    force(monkeypatch, tok.encode("<think>\nAdd them.\n</think>\n\nIt is 4.") + [end] + tok.encode(" junk"))
+    asked = force(monkeypatch, tok.encode("<think>\nAdd them.\n</think>\n\nIt is 4.") + [end] + tok.encode(" junk"))
     c = eng.chat([{"role": "user", "content": "2+2?"}], stream=True)
     events = list(c)
     assert {type(e) for e in events} == {Reasoning, Content}
@@ -117,6 +123,7 @@ def test_template_stop_reasoning_and_content(qwen3, monkeypatch):
     n = len(tok.encode("<think>\nAdd them.\n</think>\n\nIt is 4.")) + 1
     p = len(c.prompt_ids)
     assert c.usage == {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    assert len(asked) == n                     # it stopped at the end of turn: nothing was sampled after it
     assert c.message() == {"role": "assistant", "content": "It is 4.", "reasoning_content": "Add them."}
 
 

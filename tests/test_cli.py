@@ -88,3 +88,35 @@ def test_run_with_only_a_prompt_uses_the_default_model(tmp_path):
     p = waste("run", "def fibonacci(n):", "-n", "4", env={"WASTE_CACHE_DIR": str(tmp_path)}, check=True)
     assert p.stdout.startswith("def fibonacci(n):")
     assert any(tmp_path.glob("*.waste/manifest.json"))
+
+
+def test_damaged_trunk_tensor_is_named_by_verify_and_refused_by_run(damaged):
+    """A flipped byte inside one trunk tensor's data: `verify` names the tensor, `run` refuses with the reason."""
+    from safetensors import safe_open
+
+    trunk = damaged / json.loads((damaged / "manifest.json").read_text())["trunk"]["file"]
+    raw = bytearray(trunk.read_bytes())
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + header_len])
+    with safe_open(str(trunk), "pt") as h:
+        name = sorted(k for k in h.keys() if "layers.1." in k and h.get_slice(k).get_shape()[-1] >= 16)[0]
+    start = 8 + header_len + header[name]["data_offsets"][0]
+    raw[start + 3] ^= 0x40
+    trunk.write_bytes(bytes(raw))
+    v = waste("verify", damaged, "-q")
+    assert v.returncode == 1 and name in v.stdout, v.stdout
+    p = waste("run", damaged, "hello", "-n", "2")
+    assert p.returncode == 1 and p.stderr.startswith("waste: error: ") and name in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("where,what", [(0, "bad magic"), (40, "header")])
+def test_damaged_bank_header_is_named_by_verify_and_refused_by_run(damaged, where, what):
+    """The bank's magic, or a byte of its header past the fixed fields (the record layout and its CRC table)."""
+    bank = damaged / "experts" / "layer_002.bank"
+    raw = bytearray(bank.read_bytes())
+    raw[where] ^= 0x01
+    bank.write_bytes(bytes(raw))
+    for args in (("run", damaged, "hello", "-n", "2"), ("verify", damaged, "-q")):
+        p = waste(*args)
+        out = p.stdout + p.stderr
+        assert p.returncode == 1 and "layer_002.bank" in out and what in out, out

@@ -113,6 +113,30 @@ def test_missing_and_unexpected_tensors_are_named_before_writing(tmp_path, relea
     assert not any(tmp_path.glob("out.waste*"))
 
 
+@pytest.mark.parametrize("name", [
+    pytest.param("model.layers.1.self_attn.q_proj.weight", marks=pytest.mark.xfail(strict=True, reason=(
+        "known gap (issue 18): check_names checks expert shapes only; a trunk matrix of the wrong shape converts, "
+        "and `waste run` then fails inside F.linear with a traceback"))),
+    "model.layers.2.mlp.experts.3.down_proj.weight"])
+def test_shape_mismatch_is_refused_by_name_before_writing(tmp_path, releases, name):
+    """A tensor whose shape the config does not give (a trunk matrix, an expert matrix): one error naming it and both
+    shapes, from the API and from the CLI, and nothing written."""
+    from waste.cli import main
+
+    src = tmp_path / "broken"
+    shutil.copytree(releases["qwen3_moe"][1], src)
+    t = load_file(str(src / "model.safetensors"))
+    good = list(t[name].shape)
+    t[name] = torch.zeros(good[0], good[1] + 8, dtype=t[name].dtype)
+    save_file(t, str(src / "model.safetensors"))
+    with pytest.raises(WasteError) as e:
+        convert(src, tmp_path / "out.waste", progress=False)
+    msg = str(e.value)
+    assert name in msg and str(good[1] + 8) in msg and str(good[1]) in msg, msg
+    assert main(["convert", str(src), str(tmp_path / "cli.waste")]) == 1
+    assert not any(tmp_path.glob("out.waste*")) and not any(tmp_path.glob("cli.waste*"))
+
+
 def test_unsupported_family_lists_supported(tmp_path, releases):
     src = tmp_path / "other"
     shutil.copytree(releases["qwen3_moe"][1], src)

@@ -20,7 +20,8 @@ def test_seeded_sampling_is_reproducible_and_differs_from_greedy(eng):
     a = eng.generate("hello", seed=7, **kw).token_ids
     b = eng.generate("hello", seed=7, **kw).token_ids
     c = eng.generate("hello", seed=8, **kw).token_ids
-    assert a == b and a != c
+    greedy = eng.generate("hello", max_tokens=24).token_ids
+    assert a == b and a != c and a != greedy and c != greedy and len(a) == len(greedy) == 24
 
 
 def test_stop_string_cuts_the_text(eng):

@@ -3,10 +3,14 @@ import pytest
 import torch
 
 import waste
-from fixtures import greedy_pair, prompt, rel_l2, split_and_whole
+from fixtures import engine_forward, greedy_pair, prompt, rel_l2, split_and_whole
 
 FAMILIES = ["qwen3_moe", "kimi_linear"]
 LENGTH = {"qwen3_moe": 24, "kimi_linear": 80}   # 80 crosses KDA's 64-token chunk
+# about 10x the measured rel L2 (docs/LEARNED.md §2): logits 0 (bit-identical; 2.1e-7 on an earlier build) and
+# 5.3e-6; prefill + decode against one forward 3.2e-7 and 1.1e-6
+LOGITS = {"qwen3_moe": 2e-6, "kimi_linear": 5e-5}
+SPLIT = {"qwen3_moe": 3e-6, "kimi_linear": 1e-5}
 
 
 def hf_routes(model, ids):
@@ -34,13 +38,9 @@ def test_logits_and_routing_match_transformers(family, releases, engines):
     hf, eng = releases[family][0], engines[family]
     ids = prompt(LENGTH[family])
     ref, ref_routes = hf_routes(hf, ids)
-    eng.model.route_trace = []
-    try:
-        logits = eng.model.forward(ids, eng.model.new_state(), 0)
-        ours = dict(eng.model.route_trace)
-    finally:
-        eng.model.route_trace = None
-    assert rel_l2(logits, ref) < 1e-4
+    logits, ours = engine_forward(eng, ids)
+    print(f"{family} logits {rel_l2(logits, ref):.2e}")
+    assert rel_l2(logits, ref) < LOGITS[family]
     assert sorted(ours) == sorted(ref_routes) and ours
     for layer, idx in ours.items():
         for t in range(len(ids)):
@@ -51,7 +51,8 @@ def test_logits_and_routing_match_transformers(family, releases, engines):
 def test_prefill_then_decode_equals_one_forward(family, engines):
     m = engines[family].model
     split, full = split_and_whole(m, prompt(LENGTH[family], seed=2), 6)
-    assert rel_l2(split, full) < 1e-5
+    print(f"{family} split {rel_l2(split, full):.2e}")
+    assert rel_l2(split, full) < SPLIT[family]
     assert torch.equal(split.argmax(-1), full.argmax(-1))
 
 

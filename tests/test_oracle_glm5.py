@@ -15,7 +15,7 @@ sys.modules.setdefault("fla", None)
 import pytest
 import torch
 import torch.nn.functional as F
-from fixtures import _randomise, greedy_pair, prompt, rel_l2, save_release, split_and_whole
+from fixtures import _randomise, engine_forward, greedy_pair, prompt, rel_l2, save_release, split_and_whole
 
 import waste
 from waste.convert.convert import convert
@@ -131,16 +131,10 @@ def hf_index_scores(indexer, x, q_resid):
 def test_dense_logits_and_routing_match_transformers(glm):
     ids = prompt(80)                       # crosses KDA's 64-token chunk; 80 <= index_topk: the dense path
     ref, ref_routes, _ = hf_forward(glm["hf"], ids)
-    m = glm["eng"].model
-    m.route_trace = []
-    try:
-        logits = m.forward(ids, m.new_state(), 0)
-        ours = dict(m.route_trace)
-    finally:
-        m.route_trace = None
+    logits, ours = engine_forward(glm["eng"], ids)
     err = rel_l2(logits, ref)
     print(f"glm5_next dense logits rel L2 {err:.2e}")
-    assert err < 1e-4
+    assert err < 2e-5                     # measured 2.2e-6
     assert sorted(ours) == sorted(ref_routes) == [1, 2, 3, 4]
     for layer, idx in ours.items():
         for t in range(len(ids)):
@@ -152,7 +146,8 @@ def test_prefill_then_decode_equals_one_forward(glm, which):
     m = glm[which].model
     # sparse container: queries past 12 tokens select 2 of up to 9 pools
     split, full = split_and_whole(m, prompt(40, seed=2), 8)
-    assert rel_l2(split, full) < 1e-5
+    print(f"glm {which} split {rel_l2(split, full):.2e}")
+    assert rel_l2(split, full) < 1e-5            # measured 2.7e-6 (dense), 1.9e-6 (sparse)
     assert torch.equal(split.argmax(-1), full.argmax(-1))
 
 
@@ -185,7 +180,7 @@ def test_sparse_indexer_scores_and_selection_match_transformers(glm):
         assert ours.shape == ref.shape == (40, 10)
         err = rel_l2(ours, ref)
         print(f"layer {layer}: index scores rel L2 {err:.2e}, max abs {(ours - ref).abs().max().item():.1e}")
-        assert err < 1e-5
+        assert err < 1e-6                 # measured 0
         sel = select(ours, 0, len(ids), cfg)
         for t in range(len(ids)):
             n_vis = (t + 1) // KPOOL
@@ -220,7 +215,7 @@ def test_sparse_attention_given_the_oracle_selection(glm):
             out, _, _ = dsa_forward(s["x"], m.attn_w[layer], m.mla_cfg, m.dsa_cfg, st, keep=keep, absorb=absorb)
             err = rel_l2(out, s["out"])
             print(f"layer {layer} absorb={absorb}: attention given the oracle's keys, rel L2 {err:.2e}")
-            assert err < 1e-5
+            assert err < 2e-6             # measured 0 (naive), 2.3e-7 (absorbed)
 
 
 def test_sparse_branch_is_reached_and_agrees_end_to_end(glm):
@@ -239,20 +234,23 @@ def test_sparse_branch_is_reached_and_agrees_end_to_end(glm):
     budget, upto, compared = TOPK_SPARSE // KPOOL, len(ids), 0
     for layer in (1, 3):
         sel = trace[layer]
+        theirs = hf_index_scores(hf_layers(glm["hf_sparse"])[layer].self_attn.indexer, seen[layer]["x"],
+                                 seen[layer]["q_resid"])        # the oracle's scores on the oracle's inputs
         for t in range(upto):
             n_vis = (t + 1) // KPOOL
             if sel.pools[t] is None:
                 continue
             hf_pools, _ = _pool_sets(seen[layer]["topk"][t], n_vis)
             if set(sel.pools[t]) != hf_pools:
-                cut = sel.scores[t, :n_vis].sort(descending=True).values[budget - 1]
-                assert all(abs(sel.scores[t, p] - cut) <= 1e-6 for p in set(sel.pools[t]) ^ hf_pools), (layer, t)
+                cut = theirs[t, :n_vis].sort(descending=True).values[budget - 1]
+                assert all(abs(theirs[t, p] - cut) <= 1e-6 * theirs[t, :n_vis].abs().max()
+                           for p in set(sel.pools[t]) ^ hf_pools), (layer, t)
                 upto = t
                 break
             compared += 1
     err = rel_l2(logits[:upto], ref[:upto])
     print(f"sparse end to end: {compared} sparse selections equal, logits rel L2 {err:.2e} over {upto} positions")
-    assert compared >= 40 and upto >= 30 and err < 1e-4
+    assert compared >= 40 and upto >= 30 and err < 2e-5      # measured 1.7e-6
     dense = glm["eng"].model.forward(ids, glm["eng"].model.new_state(), 0)
     assert rel_l2(logits, dense) > 1e-2          # the sparse branch really changes the answer
 

@@ -12,7 +12,6 @@ from waste.convert.convert import convert
 from waste.default_model import BUNDLED
 from waste.errors import WasteError
 from waste.quant import int4pack
-from waste.quant.formats import get_format
 from waste.quant.quality import agreement, compare, greedy
 
 HELDOUT = Path(__file__).parent / "data" / "heldout_waste_source.py.txt"
@@ -65,6 +64,9 @@ def test_q4_on_torchs_avx2_kernels(bundled_ref, tmp_path):
     import os
     import subprocess
 
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("needs an AVX-512 machine: elsewhere the default kernels are the AVX2 ones, and the test would "
+                    "compare a run with itself")
     root, _, ids, _, _ = bundled_ref
     out = convert(BUNDLED, root / "avx2.waste", experts="q4", trunk="q8", progress=False)
     seq = ids[:64]
@@ -75,8 +77,7 @@ def test_q4_on_torchs_avx2_kernels(bundled_ref, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     capability, block = r.stdout.split()[-2:]
-    if capability == "AVX2":
-        assert block == "32"
+    assert capability == "AVX2" and block == "32"
     got = torch.load(tmp_path / "l.pt")
     assert ((got - want).norm() / want.norm()).item() < 2 ** -8
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -168,63 +169,8 @@ def test_routing_to_fewer_experts(bundled_ref):
     assert 0.05 < q.kl < 0.156 and 0.78 < q.top1 < 0.9, q
 
 
-def _compressed_release(hf, dst: Path, kind: str) -> dict:
-    """The fixture's release with its routed experts as compressed-tensors mxfp4 or int4 (group 32) would ship them;
-    returns name -> the float weights those packed values stand for."""
-    from safetensors.torch import load_file, save_file
-
-    from waste.quant.lowbit import mx_dequantize, mx_quantize
-
-    hf.save_pretrained(dst)
-    (dst / "config.json").write_text(json.dumps({**json.loads((dst / "config.json").read_text()),
-                                                 "quantization_config": {"quant_method": "compressed-tensors"}}))
-    f = next(dst.glob("*.safetensors"))
-    tensors, want = load_file(f), {}
-    for name in [n for n in tensors if ".experts." in n and n.endswith("_proj.weight")]:
-        w = tensors.pop(name).float()
-        base = name[:-len("weight")]
-        if kind == "mxfp4":
-            p = mx_quantize(w)
-            tensors[base + "weight_packed"], tensors[base + "weight_scale"] = p["blocks"], p["scales"]
-            want[name] = mx_dequantize(p["blocks"], p["scales"], *w.shape)
-        else:
-            N, K = w.shape
-            s = (w.view(N, K // 32, 32).abs().amax(-1) / 7).clamp_min(1e-8).bfloat16()
-            q = (w.view(N, K // 32, 32) / s.float()[..., None]).round().clamp(-8, 7).view(N, K)
-            u = (q + 8).to(torch.int64).view(N, K // 8, 8)
-            words = (u << torch.arange(0, 32, 4)).sum(-1)
-            tensors[base + "weight_packed"] = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-            tensors[base + "weight_scale"] = s
-            tensors[base + "weight_shape"] = torch.tensor([N, K], dtype=torch.int32)
-            want[name] = (q.view(N, K // 32, 32) * s.float()[..., None]).view(N, K)
-    save_file(tensors, str(f), metadata={"format": "pt"})
-    from waste.convert.synthetic import write_tokenizer
-
-    write_tokenizer(dst, "def f(x): return x", vocab_size=300)
-    return want
-
-
-@pytest.mark.parametrize("kind,stored", [("mxfp4", "mxfp4"), ("int4", "q4g32")])
-def test_quantized_release_is_kept_as_released(kind, stored, releases, tmp_path):
-    hf = releases["qwen3_moe"][0]
-    want = _compressed_release(hf, tmp_path / "rel", kind)
-    out = convert(tmp_path / "rel", tmp_path / "o.waste", trunk="bf16", progress=False)
-    m = json.loads((out / "manifest.json").read_text())
-    assert m["experts"]["format"] == stored and m["experts"]["kept_as_released"]
-    from waste.container import open_container
-    from waste.runtime.experts import parts_of
-
-    c = open_container(out)
-    try:
-        fmt, bank = get_format(stored), c.banks[1]
-        buf = torch.empty(bank.record_bytes, dtype=torch.uint8)
-        bank.read_into(5, buf)
-        views = bank.layout.views(buf)
-        w = fmt.unpack(parts_of(views, "gate"), tuple(want["model.layers.1.mlp.experts.5.gate_proj.weight"].shape),
-                       torch.float32)
-        assert torch.equal(w, want["model.layers.1.mlp.experts.5.gate_proj.weight"])
-    finally:
-        c.close()
+# Releases in compressed-tensors' formats (mxfp4, int4) are checked against compressed-tensors, mlx and
+# transformers in test_released_formats.py.
 
 
 def test_unsupported_expert_shape_is_refused_before_writing(releases, tmp_path):

@@ -99,7 +99,9 @@ def test_scheduler_alone_or_batched_gives_the_same_tokens_and_logits(eng):
         b = _job(eng, PROMPTS[1], 14, ev_rest, **kw)
         c = _job(eng, PROMPTS[2], 6, ev_rest, temperature=0.0)
         s.submit(a2, b, c)
+        t0 = time.monotonic()
         while len(a2.decoding.token_ids) < 4:
+            assert time.monotonic() - t0 < 120, "the scheduler made no progress"
             time.sleep(0.001)
         d = _job(eng, PROMPTS[2][:9], 8, ev_rest, seed=3, temperature=1.0)
         s.submit(d)

@@ -179,30 +179,54 @@ def _wait_cancelled(state, before: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-@needs_qwen3
-def test_disconnect_stops_generation(qwen3, monkeypatch):
-    """A client that goes away, streaming or blocking, stops its generation: it ends "cancelled" a few tokens
-    after the disconnect, not at max_tokens (the scheduler checks every step; scheduler tests bound it to one)."""
-    srv, eng = qwen3
-    force(monkeypatch, [eng.tokenizer.encode("a")[0]])
+STEP = 0.2       # seconds a decode step is made to take in the disconnect test (slack for a loaded machine)
+
+
+@pytest.fixture(scope="module")
+def plain(releases):
+    """The fixture container as converted (waste's ChatML chat.json): no file from ../shared needed."""
+    eng = waste.load(releases["qwen3_moe"][2])
+    srv = ThreadServer(ServerState(engine=eng))
+    yield srv, eng
+    srv.stop()
+    eng.close()
+
+
+def test_disconnect_stops_generation_within_one_step(plain, monkeypatch):
+    """README: "A client that disconnects stops its generation within one decode step." Each step is slowed to STEP
+    seconds (the sampler sleeps), far longer than the server takes to see a closed socket, so what is made after the
+    close is the step in flight and, since the count is read just before closing, at most one more."""
+    srv, eng = plain
+    tok = eng.tokenizer.encode("a")[0]
+    made = []
+    real = Decoding.sample
+
+    def sample(self, logits):
+        real(self, logits)
+        time.sleep(STEP)
+        made.append(tok)
+        self.token_ids[-1] = tok
+        return tok
+
+    monkeypatch.setattr(Decoding, "sample", sample)
     state = srv.state
-    body = {"model": "q", "prompt": "def f(x):", "max_tokens": 1500}
+    body = {"prompt": "def f(x):", "max_tokens": 1500, "temperature": 0}
     for stream in (True, False):
         before = state.metrics.finished_by_reason.get("cancelled", 0)
-        tokens0 = state.metrics.generation_tokens
+        start = len(made)
         if stream:
             with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
                 lines = s.iter_lines()
                 while not next(lines).startswith("data: "):
                     pass
-                at_close = state.metrics.generation_tokens
+                at_close = len(made)
         else:
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
-            at_close = state.metrics.generation_tokens
+                httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+            at_close = len(made)
         _wait_cancelled(state, before)
-        made = state.metrics.generation_tokens - tokens0
-        assert made < 1500 and state.metrics.generation_tokens - at_close < 200, (made, at_close - tokens0)
+        print(f"stream={stream}: {at_close - start} tokens before the close, {len(made) - at_close} after")
+        assert at_close > start and len(made) - at_close <= 2, (stream, at_close - start, len(made) - at_close)
 
 
 def test_full_queue_answers_503_with_retry_after(releases, monkeypatch):

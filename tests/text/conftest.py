@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import regex
+from published import MOONSHOT_PAT_STR
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -146,10 +147,8 @@ def write_hf_tokenizer(d: Path, special=SPECIAL, plain_added=PLAIN_ADDED, config
 
 
 def kimi_ranks() -> dict[bytes, int]:
-    from waste.text.tokenizer import KIMI_PATTERN
-
     ranks = {bytes([b]): b for b in range(256)}
-    for a, b in train_merges(KIMI_PATTERN, 400, version1=True):
+    for a, b in train_merges(MOONSHOT_PAT_STR, 400, version1=True):
         ranks.setdefault(a + b, len(ranks))
     return ranks
 

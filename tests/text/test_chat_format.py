@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from waste.text.chat_format import ChatFormat, check_markup, default_chat_json, encode_chat_format, markers
-from waste.text.chat_template import ChatTemplate
 from waste.text.errors import TextError
 from waste.text.segments import MARKUP, QUOTED, TEXT
 from waste.text.tokenizer import load_tokenizer
@@ -27,11 +26,25 @@ def joined(segments):
     return "".join(s.text for s in segments)
 
 
-def template(name):
-    path = TEMPLATES / name
-    if not path.is_file():
-        pytest.skip(f"{path} is absent (tests/data/templates is incomplete)")
-    return ChatTemplate(path.read_text())
+class HFTemplate:
+    """The reference: transformers' own apply_chat_template rendering the family's template (not waste's ChatTemplate)."""
+
+    def __init__(self, source, tokenizer):
+        self.source, self.tokenizer = source, tokenizer
+
+    def render(self, messages, add_generation_prompt=False, **kwargs):
+        return self.tokenizer.apply_chat_template(copy.deepcopy(messages), chat_template=self.source, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+@pytest.fixture
+def template(hf_oracle):
+    def load(name):
+        path = TEMPLATES / name
+        if not path.is_file():
+            pytest.skip(f"{path} is absent (tests/data/templates is incomplete)")
+        return HFTemplate(path.read_text(), hf_oracle)
+    return load
 
 
 def test_builtin_formats_are_valid_for_their_vocabulary(hf_dir, kimi_dir):
@@ -48,7 +61,7 @@ def test_builtin_formats_are_valid_for_their_vocabulary(hf_dir, kimi_dir):
         ChatFormat(default_chat_json("qwen3_moe"), kimi.added_tokens)
 
 
-def test_glm5_next_matches_its_template():
+def test_glm5_next_matches_its_template(template):
     fmt, tpl = ChatFormat(default_chat_json("glm5_next")), template("GLM-5.3-Flash.jinja")
     for msgs, gen in ((CONVERSATION, True), (AFTER_LAST_USER, False)):
         assert joined(fmt.render_segments(copy.deepcopy(msgs), add_generation_prompt=gen)) == tpl.render(
@@ -62,7 +75,7 @@ def test_glm5_next_matches_its_template():
     assert fmt.stop == ["<|user|>", "<|observation|>", "<|endoftext|>"]
 
 
-def test_qwen3_matches_its_template():
+def test_qwen3_matches_its_template(template):
     fmt, tpl = ChatFormat(default_chat_json("qwen3_moe")), template("Qwen-Qwen3-0.6B.jinja")
     assert joined(fmt.render_segments(CONVERSATION)) == tpl.render(CONVERSATION, add_generation_prompt=True)
     assert joined(fmt.render_segments(CONVERSATION, thinking=False)) == tpl.render(
@@ -71,7 +84,7 @@ def test_qwen3_matches_its_template():
     assert not fmt.starts_in_reasoning() and fmt.stop == ["<|im_end|>", "<|endoftext|>"]
 
 
-def test_kimi_linear_matches_the_k2_template():
+def test_kimi_linear_matches_the_k2_template(template):
     fmt, tpl = ChatFormat(default_chat_json("kimi_linear")), template("moonshotai-Kimi-K2.jinja")
     assert joined(fmt.render_segments(CONVERSATION)) == tpl.render(CONVERSATION, add_generation_prompt=True)
     no_system = fmt.render_segments(CONVERSATION[1:2])

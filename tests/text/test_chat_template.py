@@ -220,18 +220,23 @@ def test_template_features_match_transformers(hf_dir, hf_oracle, monkeypatch):
 
 def test_raise_exception_and_sandbox(hf_dir, hf_oracle):
     tok = load_tokenizer(hf_dir)
+    outcomes = []
     for source in (
         "{{ raise_exception('no system role, please') }}",
         "{{ messages.__class__ }}",
         "{% set ns = namespace() %}{% set ns._secret = 1 %}",
         "{{ messages[0].content.append }}",
     ):
-        status, ours, _ = both(
+        status, ours, ref = both(
             lambda: ChatTemplate(source).render([{"role": "user", "content": "x"}], **tok.special_tokens_map()),
             lambda: hf_render(hf_oracle, source, {"messages": [{"role": "user", "content": "x"}]}, tokenize=False),
         )
+        outcomes.append(status)
+        if status == "ok":
+            assert ours == ref, source           # the sandbox renders what transformers' sandbox renders
         if "raise_exception" in source:
             assert status == "raised" and "no system role" in str(ours)
+    assert outcomes.count("ok") >= 2            # the sandbox cases that render are compared, not only the raises
     with pytest.raises(TextError, match="compile"):
         ChatTemplate("{% if %}")
 

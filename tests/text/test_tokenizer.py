@@ -7,6 +7,7 @@ import random
 import pytest
 import regex
 import tiktoken
+from published import MOONSHOT_PAT_STR
 
 from waste.text.errors import TextError
 from waste.text.segments import BREAK, MARKUP, QUOTED, TEXT, Segment
@@ -35,16 +36,16 @@ MIXED = [
 
 
 def kimi_reference(kimi_dir):
-    """Moonshot's TikTokenTokenizer, transcribed: a plain tiktoken.Encoding with Kimi's pattern,
-    fed the pieces of its 400k / 25k splitting."""
-    from waste.text.tokenizer import read_ranks
+    """Moonshot's TikTokenTokenizer, transcribed: tiktoken's own reader of the rank file and a plain
+    tiktoken.Encoding with the pattern as the release publishes it, fed the pieces of its 400k / 25k splitting."""
+    from tiktoken.load import load_tiktoken_bpe
 
-    ranks = read_ranks(kimi_dir / "tiktoken.model")
+    ranks = load_tiktoken_bpe(str(kimi_dir / "tiktoken.model"))
     cfg = json.loads((kimi_dir / "tokenizer_config.json").read_text())
     names = {int(i): t["content"] for i, t in cfg["added_tokens_decoder"].items()}
     n = len(ranks)
     specials = {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(n, n + 256)}
-    enc = tiktoken.Encoding("ref", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+    enc = tiktoken.Encoding("ref", pat_str=MOONSHOT_PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
 
     def split(s, limit):
         run, is_space, start = 0, s[0].isspace() if s else False, 0
@@ -75,7 +76,7 @@ def kimi_reference(kimi_dir):
 def slow_bpe(ranks, text):
     """Pure-Python reference: regex V1 pre-tokenization, then merge-by-rank within each piece."""
     out = []
-    for piece in regex.findall(KIMI_PATTERN, text, flags=regex.V1):
+    for piece in regex.findall(MOONSHOT_PAT_STR, text, flags=regex.V1):
         parts = [bytes([b]) for b in piece.encode()]
         while len(parts) > 1:
             best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], 1 << 60))

@@ -1,5 +1,6 @@
 """Reading a Hugging Face release: config.json (nested text_config too), a sharded safetensors index or
-single files, and tensors in bf16/fp16/fp32 or fp8 e4m3 with 128x128 `weight_scale_inv` blocks."""
+single files, and tensors in bf16/fp16/fp32, fp8 e4m3 with 128x128 `weight_scale_inv` blocks, or compressed-tensors
+mxfp4 and int4 (symmetric or with zero points); NVFP4 and other packed widths are refused by name."""
 from __future__ import annotations
 
 import json
@@ -143,19 +144,39 @@ class Checkpoint:
     def _packed_logical(self) -> None:
         """Give each compressed-tensors matrix (`X.weight_packed` + `X.weight_scale` [+ `X.weight_shape`]) a
         logical entry `X.weight` with dtype MXFP4 (uint8 E2M1 pairs, uint8 E8M0 scales, groups of 32) or INT4
-        (int32 words of eight offset-8 nibbles, float scales per group)."""
-        self._skip = set()
+        (int32 words of eight offset-8 nibbles, float scales per group, with or without a `weight_zero_point`).
+        Anything else packed (NVFP4's global scale, other bit widths) is refused here, before anything is written."""
+        self._skip, self._asym = set(), set()
         for k in [k for k in self._meta if k.endswith(PACKED_SUFFIX)]:
             base = k[:-len("_packed")]
             dt, shape = self._meta[k]
             if base + "_scale" not in self._meta:
                 raise WasteError(f"{k} has no {base}_scale companion")
+            sdt, sshape = self._meta[base + "_scale"]
+            if base + "_global_scale" in self._meta:
+                raise WasteError(f"{base} is NVFP4 (fp4 with {sdt} group scales and a weight_global_scale): this "
+                                 "converter does not read NVFP4 yet; convert the release's bf16 weights instead")
             if dt == "U8":
                 kind, logical = "MXFP4", [shape[0], shape[1] * 2]
+                if sdt != "U8" or sshape != [shape[0], logical[1] // 32]:
+                    raise WasteError(f"{base} is packed fp4 with {sdt} scales of shape {sshape}: only mxfp4 (uint8 "
+                                     f"E8M0 scales, one per 32 values: {[shape[0], logical[1] // 32]}) is read")
+                if base + "_zero_point" in self._meta:
+                    raise WasteError(f"{base} is mxfp4 with a weight_zero_point: asymmetric fp4 is not a format "
+                                     "this converter reads")
             elif dt == "I32":
                 kind, logical = "INT4", [shape[0], shape[1] * 8]
                 if base + "_shape" in self._meta and not self._remote:
                     logical = [int(v) for v in self._handle(self.where[base + "_shape"]).get_tensor(base + "_shape")]
+                if len(shape) != 2 or shape[1] != -(-logical[1] // 8):
+                    raise WasteError(f"{base} packs {shape[1] if len(shape) == 2 else shape} int32 words per row for "
+                                     f"{logical[1]} values: not 4-bit; this converter reads int4 pack-quantized "
+                                     "weights only")
+                if len(sshape) != 2 or sshape[0] != logical[0] or logical[1] % sshape[1]:
+                    raise WasteError(f"{base}: scales of shape {sshape} do not divide a {logical} int4 matrix into "
+                                     "groups")
+                if base + "_zero_point" in self._meta:
+                    self._asym.add(base)
             else:
                 raise WasteError(f"{k} is {dt}: this converter reads packed uint8 (mxfp4) or int32 (int4) weights")
             self._meta[base], self.where[base] = (kind, logical), self.where[k]
@@ -193,7 +214,8 @@ class Checkpoint:
         N, K = self.shape(name)
         sdt, sshape = self._meta[name + "_scale"]
         g = K // sshape[1]
-        return f"q4g{g}" if sdt == "BF16" and g in (32, 64, 128, 256) and not N % 2 else None
+        return (f"q4g{g}" if sdt == "BF16" and g in (32, 64, 128, 256) and not N % 2 and name not in self._asym
+                else None)      # asymmetric int4 (zero points) is decoded to floats instead
 
     def released_parts(self, name: str):
         """(format name, parts) of a matrix the release ships quantized, in a container format that holds its
@@ -223,6 +245,8 @@ class Checkpoint:
                 return mx_dequantize(packed, scale, N, K)
             q = _int4_nibbles(packed, N, K).float() - 8
             g = K // scale.shape[1]
+            if name in self._asym:      # w = (q - zero) * scale, zeros as int4 packed down the rows
+                q = q.view(N, K // g, g) - self._zero_points(name, N, K // g)[..., None]
             return (q.view(N, K // g, g) * scale.float()[..., None]).view(N, K)
         t = self._handle(self.where[name]).get_tensor(name)
         if t.dtype == torch.float8_e4m3fn:
@@ -237,6 +261,17 @@ class Checkpoint:
     def _packed(self, name: str):
         """A compressed-tensors matrix's packed weight and scale, each from its own shard (an index may split them)."""
         return tuple(self._handle(self.where[name + c]).get_tensor(name + c) for c in ("_packed", "_scale"))
+
+    def _zero_points(self, name: str, N: int, G: int) -> torch.Tensor:
+        """compressed-tensors' asymmetric int4 zero points [N, G]: int32 words packed along dim 0 (eight rows a word,
+        offset 8), or unpacked integers."""
+        zp = self._handle(self.where[name + "_zero_point"]).get_tensor(name + "_zero_point")
+        if zp.dtype == torch.int32 and list(zp.shape) == [-(-N // 8), G]:
+            return _int4_nibbles(zp.t().contiguous(), G, N).t().float() - 8
+        if list(zp.shape) == [N, G] and not zp.is_floating_point():
+            return zp.float()
+        raise WasteError(f"{name}_zero_point has shape {list(zp.shape)} ({zp.dtype}): expected int32 [{-(-N // 8)}, {G}] "
+                         f"or integers [{N}, {G}]")
 
     def _handle(self, f: str):
         if f not in self._handles:
