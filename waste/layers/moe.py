@@ -169,13 +169,3 @@ def routed_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
     slots are -1 (this group of the layer's experts does not hold them); their pairs contribute nothing here."""
     y = kernel(x, slots, bank) if complete else segments(x, slots, bank)
     return weighted_sum(y, weights)
-
-
-def check_gather_exact() -> bool:
-    """bmm of one pair alone and inside a larger batch give the same bits (the batch-composition rule)."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(6, 32, 48, generator=g)
-    x = torch.randn(6, 48, 1, generator=g)
-    return torch.equal(torch.bmm(w, x)[2], torch.bmm(w[2:3], x[2:3])[0])
-
-
