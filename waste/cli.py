@@ -115,7 +115,7 @@ def _load(a, model):
 
     model = _model(a, model)
     return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
-                       preload=False if a.no_preload else None, top_k=a.top_k)
+                       preload=False if a.no_preload else None, top_k=a.top_k, device=a.device)
 
 
 def _engine_args(p):
@@ -126,6 +126,9 @@ def _engine_args(p):
     p.add_argument("--no-preload", action="store_true",
                    help="no background fill of the cache when the whole bank fits (also WASTE_PRELOAD=0)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), or cuda: trunk and expert slab in GPU memory (first step of the CUDA backend: "
+                        "bf16 / f16 / f32 / q8 experts; `auto` picks cuda when a GPU is present)")
     p.add_argument("--top-k", type=int, default=None, metavar="K",
                    help="route each token to K experts instead of the release's top_k (fewer: faster, at a quality "
                         "cost; docs/LEARNED.md measures it)")

@@ -48,6 +48,18 @@ def resolve_dtype(name: str, container: Container) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_device(name: str) -> str:
+    if name in ("cpu", None):
+        return "cpu"
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise WasteError(f"--device {name}: this torch sees no CUDA GPU (torch {torch.__version__}); use --device cpu")
+        return name
+    raise WasteError(f"unknown device {name!r}; choose cpu, cuda or auto")
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -220,15 +232,18 @@ class Engine:
     @classmethod
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
-             top_k: int | None = None) -> "Engine":
+             top_k: int | None = None, device: str = "cpu") -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
         WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). top_k: route
-        each token to this many experts instead of the release's top_k (1 .. top_k; a quality trade)."""
+        each token to this many experts instead of the release's top_k (1 .. top_k; a quality trade).
+        device: "cpu", or "cuda" (the trunk and the expert slab in GPU memory: the first step of the CUDA backend;
+        float and q8 expert formats)."""
         if path is None:
             from .default_model import default_model_path
 
             path = default_model_path()
         container = open_container(path)
+        experts = None
         try:
             dt = resolve_dtype(dtype, container)
             if top_k is not None:
@@ -239,13 +254,17 @@ class Engine:
 
             tokenizer = load_tokenizer(container.root)
             trunk = assemble_trunk(container.load_trunk(verify=verify), container.manifest["trunk"])
+            dev = resolve_device(device)
             experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
-                                  direct=direct)
+                                  direct=direct, device=dev)
             f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()
-            model = build_model(container.family, container.config, trunk, experts, dt, f32, capacity=context)
+            model = build_model(container.family, container.config, trunk, experts, dt, f32, capacity=context,
+                                device=dev)
             if top_k is not None:
                 set_top_k(model, top_k)
         except BaseException:
+            if experts is not None:      # its background fill reads the banks: stop it before they close
+                experts.close()
             container.close()
             raise
         return cls(container, model, tokenizer, experts, dt, plan)

@@ -24,6 +24,17 @@ from ..quant.linear import linear
 from ..timing import NO_TIMER
 
 
+def _on_device(t, dtype, device: torch.device):
+    """A trunk tensor on the model's device. A quantized matrix keeps its stored format on the CPU (its kernels are
+    torch's CPU int8 / int4 ones); on another device it is widened to the compute dtype until that device has
+    kernels of its own (layers/moe.py's registry is where they go)."""
+    if device.type == "cpu":
+        return t
+    if not isinstance(t, torch.Tensor):
+        t = t.dequantize(dtype)
+    return t.to(device)
+
+
 class DecoderModel:
     def __init__(self, config: dict, trunk: dict[str, torch.Tensor], experts, dtype: torch.dtype,
                  f32_names: set[str] = frozenset(), capacity: int | None = None, device: str = "cpu"):
@@ -31,7 +42,7 @@ class DecoderModel:
         # the context every sequence's state is allocated for, once (static state; grows only past it)
         self.capacity = capacity or config.get("max_position_embeddings") or 4096
         self.eps = config["rms_norm_eps"]
-        w = {k: (v if k in f32_names else v.to(dtype)) for k, v in trunk.items()}
+        w = {k: _on_device(v if k in f32_names else v.to(dtype), dtype, self.device) for k, v in trunk.items()}
         self.embed = w["embed_tokens.weight"]
         self.norm = w["norm.weight"]
         self.head = self.embed if config["tie_word_embeddings"] else w["lm_head.weight"]
@@ -152,6 +163,8 @@ class DecoderModel:
         alone or batched."""
         hs, positions, scratch = [], [], []
         for ids, _, start in items:
+            if ids.device != self.device:
+                ids = ids.to(self.device)
             hs.append(self.stream_in(F.embedding(ids, self.embed)))
             positions.append(torch.arange(start, start + ids.shape[0], device=self.device))
             scratch.append({"start": start})
@@ -174,7 +187,8 @@ class DecoderModel:
             if last_only:
                 x = x[-1:]
             with self.timer.section("trunk matvec"):
-                out.append(linear(rms_norm(x, self.norm, self.eps), self.head).float())
+                logits = linear(rms_norm(x, self.norm, self.eps), self.head).float()
+            out.append(logits if logits.device.type == "cpu" else logits.cpu())     # sampling runs on the host
         return out
 
     def forward(self, ids: torch.Tensor, state: list, start: int, last_only: bool = False) -> torch.Tensor:

@@ -25,7 +25,7 @@ Q4_REFITS = 3
 
 
 class Q8(Format):
-    name, bits = "q8", 8.0
+    name, bits, kind = "q8", 8.0, "q8"
 
     def supports(self, shape) -> bool:
         return len(shape) == 2
