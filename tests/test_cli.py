@@ -88,3 +88,19 @@ def test_run_with_only_a_prompt_uses_the_default_model(tmp_path):
     p = waste("run", "def fibonacci(n):", "-n", "4", env={"WASTE_CACHE_DIR": str(tmp_path)}, check=True)
     assert p.stdout.startswith("def fibonacci(n):")
     assert any(tmp_path.glob("*.waste/manifest.json"))
+
+
+def test_top_k_samples_and_experts_per_token_routes(releases):
+    """--top-k is sampling's (top-1 at any temperature is the greedy text) and says so; routing each token to K
+    experts is --experts-per-token, checked against the release's number; serve and bench name the new flag."""
+    c = releases["qwen3_moe"][2]
+    greedy = waste("run", c, "def f(x):", "-n", "12", "--temperature", "0", check=True)
+    top1 = waste("run", c, "def f(x):", "-n", "12", "--temperature", "1.5", "--top-k", "1", "--seed", "3", check=True)
+    assert top1.stdout == greedy.stdout
+    assert "--experts-per-token K" in top1.stderr and "--experts-per-token" not in greedy.stderr
+    routed = waste("run", c, "def f(x):", "-n", "12", "--temperature", "0", "--experts-per-token", "1", check=True)
+    assert routed.stdout != greedy.stdout        # one expert instead of the release's two changes the text
+    p = waste("run", c, "hi", "--experts-per-token", "3")
+    assert p.returncode == 1 and "--experts-per-token 3: choose 1 to 2" in p.stderr
+    p = waste("serve", c, "--top-k", "1", "--port", "0")
+    assert p.returncode == 1 and "waste serve has no --top-k" in p.stderr and "--experts-per-token K" in p.stderr

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from ..errors import WasteError
-from .adapters import Adapter, _first, sigmoid_moe
+from .adapter_base import Adapter, _first, sigmoid_moe
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from ..errors import WasteError
-from .adapters import Adapter, _first, sigmoid_moe
+from .adapter_base import Adapter, _first, sigmoid_moe
 
 _INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
             "index_kpool_compress_ape", "index_kpool_compress_gate")

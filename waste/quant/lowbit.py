@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .formats import Format
+from .base import Format
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

@@ -35,7 +35,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__, params
+from .. import params
+from ..version import __version__
 from ..text.parsers import Content, Reasoning, ToolCall
 from .errors import APIError, bad_request, from_exception, unsupported
 from .metrics import Metrics
@@ -527,9 +528,8 @@ def _response_format(rf, engine, kwargs: dict) -> None:
     if kind != "json_object":
         raise bad_request(f"response_format.type must be text, json_object or json_schema, not {kind!r}",
                           "response_format")
-    from ..chat import chat_format
 
-    fmt = chat_format(engine)
+    fmt = engine.chat_format()
     template = getattr(fmt, "template", None)
     if template is None or "response_format" not in template.variables:
         raise unsupported("response_format", "json_object: this model's chat format has no response_format "
