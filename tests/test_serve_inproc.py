@@ -174,7 +174,7 @@ def test_health_is_503_while_loading_then_200(releases):
 
 def _wait_cancelled(state, before: int, timeout: float = 30.0) -> None:
     t0 = time.monotonic()
-    while state.metrics.finished_by_reason.get("cancelled", 0) <= before or state.scheduler.active:
+    while state.metrics.value("waste_requests_finished_total", reason="cancelled") <= before or state.scheduler.active:
         assert time.monotonic() - t0 < timeout, "the generation was not cancelled"
         time.sleep(0.01)
 
@@ -188,21 +188,21 @@ def test_disconnect_stops_generation(qwen3, monkeypatch):
     state = srv.state
     body = {"model": "q", "prompt": "def f(x):", "max_tokens": 1500}
     for stream in (True, False):
-        before = state.metrics.finished_by_reason.get("cancelled", 0)
-        tokens0 = state.metrics.generation_tokens
+        before = state.metrics.value("waste_requests_finished_total", reason="cancelled")
+        tokens0 = state.metrics.value("waste_generation_tokens_total")
         if stream:
             with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
                 lines = s.iter_lines()
                 while not next(lines).startswith("data: "):
                     pass
-                at_close = state.metrics.generation_tokens
+                at_close = state.metrics.value("waste_generation_tokens_total")
         else:
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
-            at_close = state.metrics.generation_tokens
+            at_close = state.metrics.value("waste_generation_tokens_total")
         _wait_cancelled(state, before)
-        made = state.metrics.generation_tokens - tokens0
-        assert made < 1500 and state.metrics.generation_tokens - at_close < 200, (made, at_close - tokens0)
+        made = state.metrics.value("waste_generation_tokens_total") - tokens0
+        assert made < 1500 and state.metrics.value("waste_generation_tokens_total") - at_close < 200, (made, at_close - tokens0)
 
 
 def test_full_queue_answers_503_with_retry_after(releases, monkeypatch):

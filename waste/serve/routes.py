@@ -4,12 +4,13 @@ before any 200), queues its job through a Stream and hands the stream a response
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from .. import params
 from ..runtime.sampling import SamplingParams
 from .errors import APIError, bad_request, from_exception, unsupported
+from .metrics import MEDIA_TYPE
 from .schemas import (MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                       TokenizeRequest, common_checks, max_tokens_of, param_errors, sampling_args, stop_list)
 from .shapes import ChatChunks, CompletionChunks
@@ -41,9 +42,7 @@ async def health(state: ServerState = State):
 
 @router.get("/metrics")
 async def metrics(state: ServerState = State):
-    text = state.metrics.render(state.model_id, state.scheduler,
-                                state.engine.experts if state.engine is not None else None, state.ready)
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(state.metrics.render(), media_type=MEDIA_TYPE)
 
 
 def model_card(state: ServerState) -> dict:

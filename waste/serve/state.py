@@ -32,7 +32,7 @@ class ServerState:
         self.draining = False
         self.model_name = model_name
         self._load = load                 # callable(model) -> Engine; default Engine.load
-        self.metrics = Metrics()
+        self.metrics = Metrics(model=lambda: self.model_id, live=self._live)
         self.engine = self.scheduler = None
         self.error: BaseException | None = None
         self.model_id = model_name or (model_id(model) if model is not None else "waste")
@@ -43,6 +43,10 @@ class ServerState:
         self._owns_engine = engine is None
         if engine is not None:
             self._ready(engine)
+
+    def _live(self):
+        engine = self.engine
+        return self.ready, self.scheduler, engine.experts if engine is not None else None
 
     @property
     def ready(self) -> bool:
