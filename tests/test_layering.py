@@ -129,3 +129,28 @@ def test_the_checks_can_fail():
     assert upward_imports(graph) == ["waste.container.x imports waste.models (models is not below container)"]
     assert cycles(graph) == [["waste.layers.a", "waste.layers.b"]]
 
+
+
+QUIET = ("container", "quant", "layers", "runtime", "models", "text")   # options come in as arguments
+
+
+def hidden_state(source: str) -> list[str]:
+    """Reads of the environment and writes to the terminal in a module's source."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                (node.value.id, node.attr) in {("os", "environ"), ("os", "getenv"), ("sys", "stderr"), ("sys", "stdout")}:
+            found.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+            found.append(f"print (line {node.lineno})")
+    return found
+
+
+def test_lower_tiers_read_no_environment_and_print_nothing():
+    """The engine, the CLI and the server read WASTE_PRELOAD, WASTE_DUMP_DSA, OPENBLAS_NUM_THREADS and print; the
+    packages below them take options as arguments and report through return values or callbacks."""
+    bad = {str(p.relative_to(ROOT.parent)): found for p in sorted(ROOT.rglob("*.py"))
+           if p.relative_to(ROOT).parts[0] in QUIET and (found := hidden_state(p.read_text(encoding="utf-8")))}
+    assert bad == {}
+    assert sorted(hidden_state("import os, sys\nx = os.environ.get('A')\nprint(x, file=sys.stderr)\n")) == \
+        ["os.environ (line 2)", "print (line 3)", "sys.stderr (line 3)"]

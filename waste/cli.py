@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import params
@@ -210,8 +211,6 @@ def cmd_chat(a):
 
 
 def cmd_serve(a):
-    import os
-
     from .units import parse_size
 
     if a.max_queue < 0 or a.max_batch < 1:
@@ -517,6 +516,9 @@ def _uses_default(args) -> bool:
 
 
 def main(argv=None) -> int:
+    # before numpy loads (verbs import it): its spinning BLAS threads would starve numba's vq3 / mxfp4 kernels
+    # (shared/reference/machine.md §C); a value the user set is kept
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         args = build_parser().parse_args(argv)
     except WasteError as e:          # a flag refused by name (a renamed one)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -32,6 +34,10 @@ def check_experts_per_token(cfg: dict, k: int) -> None:
     if not 1 <= k <= release:
         raise WasteError(f"--experts-per-token {k}: choose 1 to {release} (the release routes each token to "
                          f"{release} experts)")
+
+
+def _print_lines(lines: list[str]) -> None:
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -206,10 +212,15 @@ class Engine:
     @classmethod
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
-             experts_per_token: int | None = None) -> "Engine":
+             experts_per_token: int | None = None, dump_dsa: bool | None = None) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
         WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). experts_per_token:
-        route each token to this many experts instead of the release's number (1 .. that; a quality trade)."""
+        route each token to this many experts instead of the release's number (1 .. that; a quality trade).
+        dump_dsa (None follows WASTE_DUMP_DSA): print each DSA indexer selection to stderr (GLM-5.3)."""
+        if preload is None:
+            preload = os.environ.get("WASTE_PRELOAD", "1") != "0"
+        if dump_dsa is None:
+            dump_dsa = os.environ.get("WASTE_DUMP_DSA", "0") not in ("", "0")
         if path is None:
             from .default_model import default_model_path
 
@@ -232,6 +243,8 @@ class Engine:
             model = build_model(container.family, container.config, trunk, experts, dt, f32, capacity=context)
             if experts_per_token is not None:
                 set_experts_per_token(model, experts_per_token)
+            if dump_dsa and hasattr(model, "dsa_dump"):
+                model.dsa_dump = _print_lines
         except BaseException:
             container.close()
             raise
