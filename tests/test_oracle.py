@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import waste
-from fixtures import greedy_pair, prompt, rel_l2, split_and_whole
+from fixtures import assert_same_routes, greedy_pair, prompt, rel_l2, routed_forward, split_and_whole
 
 FAMILIES = ["qwen3_moe", "kimi_linear"]
 LENGTH = {"qwen3_moe": 24, "kimi_linear": 80}   # 80 crosses KDA's 64-token chunk
@@ -34,17 +34,9 @@ def test_logits_and_routing_match_transformers(family, releases, engines):
     hf, eng = releases[family][0], engines[family]
     ids = prompt(LENGTH[family])
     ref, ref_routes = hf_routes(hf, ids)
-    eng.model.route_trace = []
-    try:
-        logits = eng.model.forward(ids, eng.model.new_state(), 0)
-        ours = dict(eng.model.route_trace)
-    finally:
-        eng.model.route_trace = None
+    logits, ours = routed_forward(eng.model, ids)
     assert rel_l2(logits, ref) < 1e-4
-    assert sorted(ours) == sorted(ref_routes) and ours
-    for layer, idx in ours.items():
-        for t in range(len(ids)):
-            assert set(idx[t].tolist()) == set(ref_routes[layer][t].tolist()), (layer, t)
+    assert_same_routes(ours, ref_routes)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -160,8 +160,6 @@ def _routing_top_k(verb: str):
 
 
 def cmd_plan(a):
-    import torch
-
     from .runtime.dtype import resolve_dtype
     from .runtime.plan import plan_memory
     from .units import parse_size
@@ -183,7 +181,6 @@ def cmd_plan(a):
         print("\n".join(lines))
     if p.warning:
         print(f"waste: warning: {p.warning}", file=sys.stderr)
-    del torch
 
 
 def cmd_bench(a):

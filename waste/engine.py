@@ -140,7 +140,6 @@ class Generation:
         self.engine, self.prompt_ids, self.max_tokens = engine, prompt_ids, max_tokens
         self.decoding = Decoding(engine.tokenizer, max_tokens, sampling, stop, set(engine.eos_ids) | set(stop_ids),
                                  logprobs)
-        self.sampler, self.stop, self.stop_ids = self.decoding.sampler, self.decoding.stop, self.decoding.stop_ids
         self.token_ids: list[int] = self.decoding.token_ids
         self.text = ""
         self.finish_reason: str | None = None
@@ -167,7 +166,7 @@ class Generation:
                 tok = self.decoding.sample(logits)
                 self.stats.generated_tokens += 1
                 yield tok
-                if tok in self.stop_ids or n + 1 == self.max_tokens:
+                if tok in self.decoding.stop_ids or n + 1 == self.max_tokens:
                     break
                 logits = model.step([(torch.tensor([tok]), state, pos)])[0][-1]
                 pos += 1

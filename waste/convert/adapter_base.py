@@ -52,7 +52,16 @@ class Adapter:
         raise NotImplementedError
 
     def trunk_names(self) -> list[str]:
-        """Checkpoint names of every non-expert tensor the engine needs."""
+        """Checkpoint names of every non-expert tensor the engine needs: the edges, then each layer's."""
+        names = self._edges()
+        for i, layer in enumerate(self.config["layers"]):
+            p = f"model.layers.{i}"
+            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+            names += self.layer_names(i, layer, p)
+        return names
+
+    def layer_names(self, i: int, layer: dict, p: str) -> list[str]:
+        """Layer i's trunk tensors under the prefix p, besides its two norms."""
         raise NotImplementedError
 
     # -- shared ------------------------------------------------------------------------------

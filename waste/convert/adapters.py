@@ -43,17 +43,12 @@ class Qwen3MoeAdapter(Adapter):
                       "num_shared_experts": 0, "n_group": 1, "topk_group": 1, "correction_bias": False}
         return cfg
 
-    def trunk_names(self):
-        names = self._edges()
-        for i, l in enumerate(self.config["layers"]):
-            p = f"model.layers.{i}"
-            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-            names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
-            if self.config["gqa"]["bias"]:
-                names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
-            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
-            names += [f"{p}.mlp.gate.weight"] if l["mlp"] == "moe" else self._dense_mlp(p)
-        return names
+    def layer_names(self, i, layer, p):
+        names = [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
+        if self.config["gqa"]["bias"]:
+            names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
+        names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+        return names + ([f"{p}.mlp.gate.weight"] if layer["mlp"] == "moe" else self._dense_mlp(p))
 
 
 class KimiLinearAdapter(Adapter):
@@ -106,16 +101,10 @@ class KimiLinearAdapter(Adapter):
                                  _first(hf, "num_expert_group", "n_group", default=1), _first(hf, "topk_group", default=1))
         return cfg
 
-    def trunk_names(self):
-        names = self._edges()
-        c = self.config
-        for i, l in enumerate(c["layers"]):
-            p = f"model.layers.{i}"
-            a = f"{p}.self_attn"
-            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-            names += self._kda_names(a) if l["attn"] == "kda" else self._mla_names(a)
-            names += self._sigmoid_mlp_names(p, l, "block_sparse_moe")
-        return names
+    def layer_names(self, i, layer, p):
+        a = f"{p}.self_attn"
+        attn = self._kda_names(a) if layer["attn"] == "kda" else self._mla_names(a)
+        return attn + self._sigmoid_mlp_names(p, layer, "block_sparse_moe")
 
 
 ADAPTERS = {a.family: a for a in (Qwen3MoeAdapter, KimiLinearAdapter)}
