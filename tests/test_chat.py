@@ -73,7 +73,7 @@ def force(monkeypatch, ids):
             self.token_ids.append(t)
             self.stats.generated_tokens += 1
             yield t
-            if t in self.stop_ids:
+            if t in self.decoding.stop_ids:
                 break
 
     monkeypatch.setattr(Generation, "_tokens", tokens)
