@@ -53,6 +53,7 @@ class DecoderModel:
         self.moe = config.get("moe") or {}
         self.top_k = self.moe.get("top_k")
         self.route_trace: list | None = None   # set to [] to record (layer, expert ids) per forward
+        self.router = None                      # a stand-in (i, x) -> (weights, ids): waste bench --routing uniform
         self.timer = NO_TIMER                   # waste bench --profile sets a timing.Timer
         self.swiglu_limit = config.get("swiglu_limit")   # clamped SwiGLU in every MLP (None: plain)
         self.dense = [self.cfg["layers"][i]["mlp"] == "dense" for i in range(len(self.layers))]
@@ -120,6 +121,8 @@ class DecoderModel:
             self._pool.append(fresh)
 
     def route(self, i: int, x: torch.Tensor):
+        if self.router is not None:
+            return self.router(i, x)
         lw, m = self.layers[i], self.moe
         if m["scoring"] == "softmax":
             return softmax_topk(x, lw["mlp.gate.weight"], self.top_k, m["norm_topk_prob"])

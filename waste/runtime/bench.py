@@ -37,7 +37,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         return s.hits, s.misses, s.bytes_read, s.read_seconds
 
     if routing == "uniform" and getattr(model, "moe", None):
-        model.route = _uniform_router(model)          # an instance attribute over the method, removed below
+        model.router = _uniform_router(model)         # taken away below
     try:
         c0 = counters()
         t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
             prof = {"ms_per_token": {b: 1e3 * timer.seconds.get(b, 0.0) / n for b in BUCKETS},
                     "ops_per_step": ops, "ops_by_kind": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
     finally:
-        model.__dict__.pop("route", None)
+        model.router = None
         model.timer = NO_TIMER
     banks = list(engine.container.banks.values())
     bw, direct = measure_direct_bandwidth(max(banks, key=lambda b: b.num_experts * b.record_bytes), bw_seconds) \

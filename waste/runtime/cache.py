@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +32,7 @@ from .policy import LFRU, LFRU_HALF_LIFE
 
 class ExpertCache:
     def __init__(self, container: Container, budget_bytes: int | None, dtype: torch.dtype, threads: int = 4,
-                 preload: bool | None = None, verify: bool = True, direct: bool = True,
+                 preload: bool = True, verify: bool = True, direct: bool = True,
                  half_life: float | None = None, device: str = "cpu"):
         ex, cfg = container.manifest["experts"], container.config
         self.device = torch.device(device)
@@ -88,8 +87,6 @@ class ExpertCache:
         self.damage: BaseException | None = None
         self._stop = threading.Event()
         self.fill_thread = None
-        if preload is None:
-            preload = os.environ.get("WASTE_PRELOAD", "1") != "0"
         self.fits = self.n_slots >= self.n_records
         if preload and self.fits and self.n_records:
             self.fill_thread = threading.Thread(target=self._fill, name="waste-fill", daemon=True)
