@@ -52,6 +52,30 @@ class Qwen3MoeAdapter(Adapter):
         names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
         return names + ([f"{p}.mlp.gate.weight"] if layer["mlp"] == "moe" else self._dense_mlp(p))
 
+    def expected_shapes(self) -> dict:
+        """Every trunk tensor's shape from config.json (a matrix of the wrong shape is refused by name)."""
+        c = self.config
+        D, V, g = c["hidden_size"], c["vocab_size"], c["gqa"]
+        H, KV, d = g["num_heads"], g["num_kv_heads"], g["head_dim"]
+        out = {"model.embed_tokens.weight": [V, D], "model.norm.weight": [D]}
+        if not c["tie_word_embeddings"]:
+            out["lm_head.weight"] = [V, D]
+        for i, layer in enumerate(c["layers"]):
+            p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+            out.update({f"{p}.input_layernorm.weight": [D], f"{p}.post_attention_layernorm.weight": [D],
+                        f"{a}.q_proj.weight": [H * d, D], f"{a}.k_proj.weight": [KV * d, D],
+                        f"{a}.v_proj.weight": [KV * d, D], f"{a}.o_proj.weight": [D, H * d],
+                        f"{a}.q_norm.weight": [d], f"{a}.k_norm.weight": [d]})
+            if g["bias"]:
+                out.update({f"{a}.q_proj.bias": [H * d], f"{a}.k_proj.bias": [KV * d], f"{a}.v_proj.bias": [KV * d]})
+            if layer["mlp"] == "moe":
+                out[f"{p}.mlp.gate.weight"] = [c["moe"]["num_experts"], D]
+            else:
+                inter = c["intermediate_size"]
+                out.update({f"{p}.mlp.gate_proj.weight": [inter, D], f"{p}.mlp.up_proj.weight": [inter, D],
+                            f"{p}.mlp.down_proj.weight": [D, inter]})
+        return out
+
 
 ADAPTERS = {a.family: a for a in (Qwen3MoeAdapter, KimiLinearAdapter)}
 ADAPTERS.update({"glm5_next": Glm5NextAdapter, "glm5_next_text": Glm5NextAdapter,
