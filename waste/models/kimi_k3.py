@@ -9,17 +9,20 @@ MoE's latent width (expert_in / expert_out, layers/latent_moe.py) and SiTU-GLU i
 from __future__ import annotations
 
 from ..layers.attn_res import inv_rms, res_key, res_mix
-from ..layers.kda import KDAConfig, KDAState, kda_forward
+from ..layers.kda import KDAConfig
 from ..layers.latent_moe import from_latent, to_latent
-from ..layers.mla import MLACache, MLAConfig, mla_forward
+from ..layers.mla import MLAConfig
 from ..layers.mlp import situ_mlp
 from ..layers.router import sigmoid_grouped_topk
 from .base import DecoderModel
+from .kimi_linear import KimiLinear
 
 
-class KimiK3(DecoderModel):
+class KimiK3(KimiLinear):
+    """Kimi-Linear's layer state and attention (with K3's gates in its configs); everything else below."""
+
     def __init__(self, config, trunk, experts, dtype, f32_names=frozenset(), **kw):
-        super().__init__(config, trunk, experts, dtype, f32_names, **kw)
+        DecoderModel.__init__(self, config, trunk, experts, dtype, f32_names, **kw)   # K3 builds its own configs
         k, m = config["kda"], config["mla"]
         self.kda_cfg = KDAConfig(k["num_heads"], k["head_dim"], k["conv_kernel"], config["rms_norm_eps"],
                                  k.get("gate_lower_bound"), bool(k.get("full_rank_gate")))
@@ -42,16 +45,6 @@ class KimiK3(DecoderModel):
                               res_key(lw["mlp_res_norm.weight"], lw["mlp_res_proj.weight"])) for lw in self.layers]
             t = {k: v for k, v in trunk.items() if k.startswith("output_attn_res_")}
             self.out_key = res_key(t["output_attn_res_norm.weight"], t["output_attn_res_proj.weight"])
-
-    def new_layer_state(self, i):
-        if self.kinds[i] == "kda":
-            return KDAState.empty(self.kda_cfg, self.dtype, self.device)
-        return MLACache.empty(self.mla_cfg, self.dtype, self.device, self.capacity)
-
-    def attend(self, i, x, state, positions, scratch):
-        if self.kinds[i] == "kda":
-            return kda_forward(x, self.attn_w[i], self.kda_cfg, state)
-        return mla_forward(x, self.attn_w[i], self.mla_cfg, state, positions)
 
     def route(self, i, x):
         m = self.moe   # renormalised only with more than one expert, as the release's router does
