@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.mlp import dense_mlp
-from ..layers.moe import kernel_for, routed_experts
+from ..layers.moe import kernel_for, routed_groups
 from ..layers.norm import rms_norm
 from ..layers.router import sigmoid_grouped_topk, softmax_topk
 from ..quant.linear import linear
@@ -131,13 +131,11 @@ class DecoderModel:
             routed = [self.route(i, x) for x in xs]
         if self.route_trace is not None:
             self.route_trace.extend((i, idx.clone()) for _, idx in routed)
-        ys = None
         with timer.section("expert compute"):
             ins = [self.expert_in(i, x) for x in xs]
-            for slots, complete in self.experts.resident(i, [idx for _, idx in routed]):
-                part = [routed_experts(x, s, w, self.bank, self.kernel, complete)
-                        for x, s, (w, _) in zip(ins, slots, routed)]
-                ys = part if ys is None else [a + b for a, b in zip(ys, part)]
+            # computed group by group as the records land (the store reads the rest meanwhile)
+            ys = routed_groups(ins, [w for w, _ in routed], self.experts.resident(i, [idx for _, idx in routed]),
+                               self.bank, self.kernel)
             ys = [self.expert_out(i, y) for y in ys]
         if self.moe.get("num_shared_experts"):
             with timer.section("trunk matvec"):

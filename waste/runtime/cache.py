@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -170,9 +170,11 @@ class ExpertCache:
 
     def resident(self, layer: int, idxs: list[torch.Tensor]):
         """Make the experts that idxs (one [T, k] tensor of expert ids per sequence) route to resident, and yield
-        (slots per sequence, complete): the slot of every pair, -1 where this group does not hold it. One group
-        (complete) unless the layer needs more experts than the budget has slots (a long prefill on a tiny budget),
-        then groups of at most n_slots experts, each resident while its pairs are computed."""
+        (slots per sequence, complete) groups as they land: the slot of every pair, -1 where this group does not
+        hold it. The experts already resident come first, then each batch of reads as it completes, so the caller
+        computes while the rest are read; every pair is in exactly one group. complete: this one group holds
+        every pair. A layer that needs more experts than the budget has slots (a long prefill on a tiny budget)
+        is made resident in rounds of at most n_slots experts, each streamed the same way."""
         if self.damage is not None:
             raise self.damage
         # the union on the host, through numpy: the ids are needed there anyway (which records to read)
@@ -181,17 +183,19 @@ class ExpertCache:
         per = max(self.n_slots, 1)
         for g in range(0, len(union), per):
             group = union[g:g + per]
-            self._make_resident(layer, group)
-            if len(group) == len(union):
+            waits = self._make_resident(layer, group)
+            if not waits and len(group) == len(union):
                 m = self.layer_slots[layer]
                 yield [m[i] for i in idxs], True
-            else:
+                continue
+            for landed in self._landing(layer, group, waits):
                 lut = torch.full_like(self.slot_map[layer], -1)
-                lut[group] = self.slot_map[layer, group]
+                lut[landed] = self.slot_map[layer, landed]
                 yield [lut[i] for i in idxs], False
         self.policy.advance(self.step)
 
-    def _make_resident(self, layer: int, experts: list[int]) -> None:
+    def _make_resident(self, layer: int, experts: list[int]) -> dict[int, Future]:
+        """Assign slots to the misses and start their reads; returns the reads (and fill reads) still to land."""
         waits: dict[int, Future] = {}
         with self.lock:
             pinned = {self.slot_of[(layer, e)] for e in experts if (layer, e) in self.slot_of}
@@ -201,7 +205,7 @@ class ExpertCache:
                 key = (layer, e)
                 self._assign(key, s)
                 self.policy.reset(s)
-                waits[e] = self.pool.submit(self._read, key, s)
+                waits[e] = self.pool.submit(self._timed_read, key, s)
                 self.loading[key] = waits[e]
             for e in experts:
                 key = (layer, e)
@@ -214,22 +218,37 @@ class ExpertCache:
             pl = self.stats.per_layer.setdefault(layer, [0, 0])
             pl[0] += n_hit
             pl[1] += n_miss
-        if not waits:
-            return
-        t0 = time.perf_counter()
-        for e in sorted(waits):
-            try:
-                dt = waits[e].result()
-            except BaseException:
-                with self.lock:
-                    self._forget((layer, e))
-                raise
-            if e in misses:
-                with self.lock:
-                    self.loading.pop((layer, e), None)
-                    self.stats.bytes_read += self.record_bytes
-                    self.stats.read_seconds += dt
-        self.stats.wait_seconds += time.perf_counter() - t0
+        return waits
+
+    def _timed_read(self, key, slot) -> tuple[float, bool]:
+        return self._read(key, slot), True     # (seconds, a read of ours: counted when it lands)
+
+    def _landing(self, layer: int, experts: list[int], waits: dict[int, Future]):
+        """Yield the experts of `experts` in groups as they become resident: those already resident at once,
+        then every batch of reads that has completed at each wait. Ascending ids within a group."""
+        now = [e for e in experts if e not in waits]
+        if now:
+            yield now
+        pending = dict(waits)
+        while pending:
+            t0 = time.perf_counter()
+            done, _ = wait(list(pending.values()), return_when=FIRST_COMPLETED)
+            self.stats.wait_seconds += time.perf_counter() - t0
+            landed = sorted(e for e, f in pending.items() if f in done)
+            for e in landed:
+                f = pending.pop(e)
+                try:
+                    r = f.result()
+                except BaseException:
+                    with self.lock:
+                        self._forget((layer, e))
+                    raise
+                if isinstance(r, tuple):        # our read (a fill read returns a bare 0.0 and is counted apart)
+                    with self.lock:
+                        self.loading.pop((layer, e), None)
+                        self.stats.bytes_read += self.record_bytes
+                        self.stats.read_seconds += r[0]
+            yield landed
 
     def _forget(self, key) -> None:
         self.loading.pop(key, None)
