@@ -145,3 +145,48 @@ def test_bench_with_random_tokens_and_uniform_routing(releases):
         assert seen and all(len(set(row.tolist())) == m.top_k for _, idx in seen for row in idx)
         lookups = r["decode"]["hits"] + r["decode"]["misses"]
         assert lookups == 6 * m.top_k * len(eng.container.banks)
+
+
+def _groups_run(container, ids, n, wait_fill=False, **kw):
+    """run() with every residency call's groups counted: [(rows of the first sequence, groups yielded)]."""
+    with waste.load(container, dtype="float32", **kw) as eng:
+        if wait_fill:
+            eng.experts.wait_fill()
+        cache, calls = eng.experts, []
+        inner = cache.resident
+
+        def counted(layer, idxs):
+            calls.append([idxs[0].shape[0], 0])
+            for g in inner(layer, idxs):
+                calls[-1][1] += 1
+                yield g
+        cache.resident = counted
+        m, st = eng.model, eng.model.new_state()
+        logits = [m.forward(torch.tensor(ids), st, 0)]
+        pos = len(ids)
+        for _ in range(n):
+            logits.append(m.forward(logits[-1][-1:].argmax(-1), st, pos))
+            pos += 1
+        return torch.cat(logits), calls
+
+
+@pytest.mark.parametrize("experts", ["bf16", "q8", "q4"])
+def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_path, experts):
+    """Item 1 of issue 15: a cold cache with one reader thread yields each layer's experts in several groups (what
+    is resident, then each read as it lands) and the pairs are computed group by group; prefill and decode logits
+    are the same bits as with the whole bank resident before the first token (one group per call)."""
+    from waste.convert.convert import convert
+
+    _, src, c = releases["qwen3_moe"]
+    if experts != "bf16":
+        c = convert(src, tmp_path / f"{experts}.waste", experts=experts, trunk="bf16", progress=False)
+    ids = list(range(5, 29))
+    ref, ref_calls = _groups_run(c, ids, 8, wait_fill=True, preload=True)
+    assert all(g == 1 for _, g in ref_calls)
+    with waste.load(c, dtype="float32", budget="1G", preload=False) as probe:
+        ws = probe.plan.working_set_bytes
+    for budget in (ws, 3 * ws):
+        logits, calls = _groups_run(c, ids, 8, budget=budget, preload=False, threads=1)
+        assert torch.equal(logits, ref)
+        assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
+        assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
