@@ -155,9 +155,9 @@ def _groups_run(container, ids, n, wait_fill=False, **kw):
         cache, calls = eng.experts, []
         inner = cache.resident
 
-        def counted(layer, idxs):
+        def counted(layer, idxs, **kw):
             calls.append([idxs[0].shape[0], 0])
-            for g in inner(layer, idxs):
+            for g in inner(layer, idxs, **kw):
                 calls[-1][1] += 1
                 yield g
         cache.resident = counted
@@ -190,3 +190,53 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
         assert torch.equal(logits, ref)
         assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
         assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
+
+
+def test_next_layer_prefetch_is_bit_identical_and_reports_precision_and_recall(releases):
+    """Item 2 of issue 15: with prefetch on, the next MoE layer's predicted experts are read ahead (counted apart:
+    prefetch bytes, precision, recall) and the logits are the same bits as with it off; a random-weight model's
+    next-layer prediction is far better than chance."""
+    c = releases["qwen3_moe"][2]
+    ids = list(range(5, 29))
+    with waste.load(c, dtype="float32", budget="1G", preload=False) as probe:
+        ws = probe.plan.working_set_bytes
+    out = {}
+    for prefetch in (False, True):
+        logits, _ = _groups_run(c, ids, 10, budget=3 * ws, preload=False, threads=2, prefetch=prefetch)
+        with waste.load(c, dtype="float32", budget=3 * ws, preload=False, prefetch=prefetch) as eng:
+            from waste.runtime.bench import bench
+            r = bench(eng, n=10, prompt_len=16, bw_seconds=0.05, feed="random")
+        out[prefetch] = logits, r
+    assert torch.equal(out[True][0], out[False][0])
+    off, on = out[False][1]["decode"], out[True][1]["decode"]
+    assert off["prefetch_bytes"] == 0 and off["prefetch_precision"] is None
+    assert on["prefetch_bytes"] > 0 and on["prefetch_bytes"] % out[True][1]["record_bytes"] == 0
+    assert on["bytes_read"] == on["misses"] * out[True][1]["record_bytes"]
+    assert 0 < on["prefetch_recall"] <= 1 and 0 < on["prefetch_precision"] <= 1
+    E, k = releases["qwen3_moe"][0].config.num_experts, releases["qwen3_moe"][0].config.num_experts_per_tok
+    assert on["prefetch_recall"] > k / E       # better than a random guess of k experts
+
+
+def test_prefetch_never_evicts_what_the_current_call_holds(releases):
+    """A prefetch on a full budget of a few records takes only slots the current call does not hold or read, and
+    leaves the next layer room for all of its predicted experts."""
+    with waste.load(releases["qwen3_moe"][2], dtype="float32", budget="1G", preload=False) as probe:
+        rec = probe.plan.record_bytes
+    with waste.load(releases["qwen3_moe"][2], dtype="float32", budget=8 * rec, preload=False, threads=1) as eng:
+        cache = eng.experts
+        l0, l1 = sorted(cache.banks)[:2]
+        for layer, e in ((l0, [[4, 5, 6]]), (l1, [[0, 1]])):      # warm some of l0, then a later call
+            for _ in cache.resident(layer, [torch.tensor(e)]):
+                pass
+        want = [1, 2, 5, 7]
+        for slots, _ in cache.resident(l0, [torch.tensor([want])], ahead=(l1, [2, 3])):
+            for e, s in zip(want, slots[0][0].tolist()):
+                if s >= 0:
+                    assert cache.key_of[s] == (l0, e)
+        assert all(cache.slot_map[l0, e] >= 0 for e in want)
+        for f in list(cache.loading.values()):
+            f.result()
+        # 8 slots full (5 warm, 3 misses): both predicted records evict one of the 4 slots the call does not hold
+        assert cache.stats.prefetch_reads == 2 and cache.stats.prefetch_evictions == 2
+        assert cache.slot_map[l1, 2] >= 0 and cache.slot_map[l1, 3] >= 0
+        assert all(cache.key_of[cache.slot_map[l0, e]] == (l0, e) for e in want)

@@ -115,7 +115,7 @@ def _load(a, model):
 
     model = _model(a, model)
     return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
-                       preload=False if a.no_preload else None, top_k=a.top_k)
+                       preload=False if a.no_preload else None, top_k=a.top_k, prefetch=not a.no_prefetch)
 
 
 def _engine_args(p):
@@ -125,6 +125,9 @@ def _engine_args(p):
     p.add_argument("--threads", type=int, default=4, help="expert reader threads (default 4)")
     p.add_argument("--no-preload", action="store_true",
                    help="no background fill of the cache when the whole bank fits (also WASTE_PRELOAD=0)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="do not read the next MoE layer's predicted experts ahead of its router (next-layer "
+                        "prefetch; outputs are the same bits either way)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     p.add_argument("--top-k", type=int, default=None, metavar="K",
                    help="route each token to K experts instead of the release's top_k (fewer: faster, at a quality "

@@ -220,10 +220,11 @@ class Engine:
     @classmethod
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
-             top_k: int | None = None) -> "Engine":
+             top_k: int | None = None, prefetch: bool = True) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
         WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). top_k: route
-        each token to this many experts instead of the release's top_k (1 .. top_k; a quality trade)."""
+        each token to this many experts instead of the release's top_k (1 .. top_k; a quality trade). prefetch:
+        read the next MoE layer's predicted experts while this one computes (the same bits either way)."""
         if path is None:
             from .default_model import default_model_path
 
@@ -240,7 +241,7 @@ class Engine:
             tokenizer = load_tokenizer(container.root)
             trunk = assemble_trunk(container.load_trunk(verify=verify), container.manifest["trunk"])
             experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
-                                  direct=direct)
+                                  direct=direct, prefetch=prefetch)
             f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()
             model = build_model(container.family, container.config, trunk, experts, dt, f32, capacity=context)
             if top_k is not None:

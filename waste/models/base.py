@@ -118,11 +118,26 @@ class DecoderModel:
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return self.mlp_many(i, [x])[0]
 
-    def mlp_many(self, i: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def predict_next(self, i: int, hs: list) -> tuple[int, list[int]] | None:
+        """Next-layer prefetch: the experts the next MoE layer after i will likely route to, from the residual
+        stream after layer i's attention through that layer's norm and router (the family's own router, not a
+        benchmark's stand-in). None where the store does not prefetch or the family's blocks reshape the stream
+        (mHC, attention residuals)."""
+        if not getattr(self.experts, "prefetch", False) or type(self).block_in is not DecoderModel.block_in:
+            return None
+        j = next((j for j in range(i + 1, len(self.layers)) if not self.dense[j]), None)
+        if j is None:
+            return None
+        with self.timer.section("router"):
+            w = self.layers[j]["post_attention_layernorm.weight"]
+            idx = [type(self).route(self, j, rms_norm(h, w, self.eps))[1] for h in hs]
+            return j, torch.unique(torch.cat([t.reshape(-1) for t in idx])).tolist()
+
+    def mlp_many(self, i: int, xs: list[torch.Tensor], hs: list | None = None) -> list[torch.Tensor]:
         """The MLP of layer i for each sequence's rows. A MoE layer asks the expert store once for the union of all
         their experts (one read serves every sequence routed to an expert); each sequence's rows are computed on
         their own (a matmul's last bits depend on its row count), so a sequence's output never depends on what it
-        is batched with."""
+        is batched with. hs: the residual streams these rows were normed from, for next-layer prefetch."""
         lw, timer = self.layers[i], self.timer
         if self.dense[i]:
             with timer.section("trunk matvec"):
@@ -134,8 +149,9 @@ class DecoderModel:
         with timer.section("expert compute"):
             ins = [self.expert_in(i, x) for x in xs]
             # computed group by group as the records land (the store reads the rest meanwhile)
-            ys = routed_groups(ins, [w for w, _ in routed], self.experts.resident(i, [idx for _, idx in routed]),
-                               self.bank, self.kernel)
+            ahead = None if hs is None else self.predict_next(i, hs)
+            groups = self.experts.resident(i, [idx for _, idx in routed], **({"ahead": ahead} if ahead else {}))
+            ys = routed_groups(ins, [w for w, _ in routed], groups, self.bank, self.kernel)
             ys = [self.expert_out(i, y) for y in ys]
         if self.moe.get("num_shared_experts"):
             with timer.section("trunk matvec"):
@@ -164,7 +180,7 @@ class DecoderModel:
                 u, ctx = self.block_in(i, "mlp", hs[j])
                 normed.append(rms_norm(u, lw["post_attention_layernorm.weight"], self.eps))
                 ctxs.append(ctx)
-            for j, y in enumerate(self.mlp_many(i, normed)):
+            for j, y in enumerate(self.mlp_many(i, normed, hs)):
                 hs[j] = self.block_out(i, "mlp", hs[j], y, ctxs[j])
         out = []
         for h in hs:

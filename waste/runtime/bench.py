@@ -34,7 +34,8 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
 
     def counters():
         s = cache.stats
-        return s.hits, s.misses, s.bytes_read, s.read_seconds
+        return (s.hits, s.misses, s.bytes_read, s.read_seconds, s.prefetch_bytes, s.predicted, s.predicted_right,
+                s.predicted_needed)
 
     if routing == "uniform" and getattr(model, "moe", None):
         model.route = _uniform_router(model)          # an instance attribute over the method, removed below
@@ -73,11 +74,14 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
     rec = cache.record_bytes
 
     def phase(a, b, seconds, tokens):
-        hits, misses, nbytes, rsec = (y - x for x, y in zip(a, b))
-        bound = misses * rec / bw if bw else 0.0
+        hits, misses, nbytes, rsec, pbytes, pred, right, needed = (y - x for x, y in zip(a, b))
+        # the bound counts every record read, the prefetch's included (a prefetched expert is then a hit)
+        bound = (misses * rec + pbytes) / bw if bw else 0.0
         return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds if seconds else 0.0,
                 "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
                 "bytes_read": nbytes, "read_seconds": rsec, "read_gb_per_s": nbytes / rsec / 1e9 if rsec else 0.0,
+                "prefetch_bytes": pbytes, "prefetch_precision": right / pred if pred else None,
+                "prefetch_recall": right / needed if needed else None,
                 "io_bound_seconds": bound, "io_bound_tok_per_s": tokens / bound if bound else None}
 
     plan = engine.plan
@@ -88,6 +92,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         "read_mode": "O_DIRECT" if cache.direct else "buffered + FADV_DONTNEED",
         "disk_bandwidth_gb_per_s": bw / 1e9, "disk_bandwidth_mode": "O_DIRECT" if direct else "buffered (O_DIRECT refused)",
         "background_fill_bytes": cache.fill_bytes, "evictions": cache.stats.evictions, "feed": feed,
+        "prefetch": cache.prefetch, "prefetch_evictions": cache.stats.prefetch_evictions,
         "routing": routing,
         "prefill": phase(c0, c1, t1 - t0, len(ids)), "decode": phase(c1, c2, t2 - t1, n),
         **({"profile": prof} if prof else {}),
@@ -119,7 +124,11 @@ def report_lines(r: dict) -> list[str]:
         out.append(f"{name:<12} {p['tokens']} tok in {p['seconds']:.2f} s = {p['tok_per_s']:.2f} tok/s | "
                    f"hit {100 * p['hit_rate']:.1f}% ({p['hits']} hit / {p['misses']} miss) | read "
                    f"{fmt_bytes(p['bytes_read'])} at {p['read_gb_per_s']:.2f} GB/s | {bound}")
-    out.append(f"fill         background fill read {fmt_bytes(r['background_fill_bytes'])}; evictions {r['evictions']}")
+        if p["prefetch_precision"] is not None:
+            out.append(f"{'':<12} prefetch read {fmt_bytes(p['prefetch_bytes'])}; next-layer prediction precision "
+                       f"{100 * p['prefetch_precision']:.1f}%, recall {100 * p['prefetch_recall']:.1f}%")
+    out.append(f"fill         background fill read {fmt_bytes(r['background_fill_bytes'])}; evictions {r['evictions']}"
+               f" (prefetch {'on' if r['prefetch'] else 'off'}, its evictions {r['prefetch_evictions']})")
     if "profile" in r:
         p = r["profile"]
         total = sum(p["ms_per_token"].values())

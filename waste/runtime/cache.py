@@ -34,7 +34,7 @@ from .policy import LFRU, LFRU_HALF_LIFE
 class ExpertCache:
     def __init__(self, container: Container, budget_bytes: int | None, dtype: torch.dtype, threads: int = 4,
                  preload: bool | None = None, verify: bool = True, direct: bool = True,
-                 half_life: float | None = None):
+                 half_life: float | None = None, prefetch: bool = True):
         ex, cfg = container.manifest["experts"], container.config
         self.banks = container.banks
         self.record_bytes = ex["record_bytes"]
@@ -80,6 +80,8 @@ class ExpertCache:
         self.stats = ExpertStats()
         self.fill_bytes = 0
         self.damage: BaseException | None = None
+        self.prefetch = prefetch             # the model predicts the next MoE layer's experts and calls ahead()
+        self._predicted: dict[int, set] = {}  # layer -> experts predicted for its next call (precision / recall)
         self._stop = threading.Event()
         self.fill_thread = None
         if preload is None:
@@ -100,7 +102,7 @@ class ExpertCache:
             p = self._parts_of_slot[slot] = matrix_parts(self.layout.views(self.slot_tensor(slot)))
         return p
 
-    def _take_slots(self, n: int, pinned: set[int]) -> list[int]:
+    def _take_slots(self, n: int, pinned: set[int], prefetch: bool = False) -> list[int]:
         """n slots for new records: free ones first, then the lowest-scoring unpinned residents."""
         out = [self.free.pop() for _ in range(min(n, len(self.free)))]
         if len(out) < n:
@@ -112,7 +114,10 @@ class ExpertCache:
                 raise WasteError("the expert budget is too small for one layer's experts at once: raise --budget")
             for s in self.policy.victims(cand, need).tolist():
                 self._unassign(self.key_of[s])
-                self.stats.evictions += 1
+                if prefetch:
+                    self.stats.prefetch_evictions += 1
+                else:
+                    self.stats.evictions += 1
                 out.append(s)
         return out
 
@@ -168,22 +173,31 @@ class ExpertCache:
             gate_up = rows[:, g[0]:g[0] + 2 * g[1]].view(_DTYPES[g[2]]).view(self.n_slots, 2 * inter, h)
         return Bank(parts, self.shapes, self.fmt, self.swiglu_limit, gate_up, self.act)
 
-    def resident(self, layer: int, idxs: list[torch.Tensor]):
+    def resident(self, layer: int, idxs: list[torch.Tensor], ahead: tuple[int, list[int]] | None = None):
         """Make the experts that idxs (one [T, k] tensor of expert ids per sequence) route to resident, and yield
         (slots per sequence, complete) groups as they land: the slot of every pair, -1 where this group does not
         hold it. The experts already resident come first, then each batch of reads as it completes, so the caller
         computes while the rest are read; every pair is in exactly one group. complete: this one group holds
-        every pair. A layer that needs more experts than the budget has slots (a long prefill on a tiny budget)
+        every pair. ahead: (next layer, its predicted experts) to prefetch once this layer's reads are queued. A layer that needs more experts than the budget has slots (a long prefill on a tiny budget)
         is made resident in rounds of at most n_slots experts, each streamed the same way."""
         if self.damage is not None:
             raise self.damage
         # the union on the host, through numpy: the ids are needed there anyway (which records to read)
         union = np.unique(np.concatenate([(i if i.device.type == "cpu" else i.cpu()).numpy().ravel()
                                           for i in idxs])).tolist()
+        pred = self._predicted.pop(layer, None)
+        if pred is not None:
+            st = self.stats
+            st.predicted += len(pred)
+            st.predicted_right += len(pred.intersection(union))
+            st.predicted_needed += len(union)
         per = max(self.n_slots, 1)
         for g in range(0, len(union), per):
             group = union[g:g + per]
             waits = self._make_resident(layer, group)
+            if ahead is not None:   # after this layer's reads are queued: the pool reads in submission order
+                self._ahead(*ahead, {(layer, e) for e in group})
+                ahead = None
             if not waits and len(group) == len(union):
                 m = self.layer_slots[layer]
                 yield [m[i] for i in idxs], True
@@ -220,6 +234,42 @@ class ExpertCache:
             pl[1] += n_miss
         return waits
 
+    def _ahead(self, layer: int, experts: list[int], in_use: set) -> None:
+        """Prefetch: start reading a later layer's predicted experts into free slots or the lowest-scoring
+        residents, never one the current call holds or is reading, and only while enough evictable slots stay
+        for that layer to fetch all of its experts itself if the prediction is wrong."""
+        self._predicted[layer] = set(experts)
+        if layer not in self.banks:
+            return
+        with self.lock:
+            todo = [e for e in experts if (layer, e) not in self.slot_of]
+            if not todo:
+                return
+            pinned = {self.slot_of[k] for k in in_use if k in self.slot_of}
+            pinned |= {self.slot_of[k] for k in self.loading if k in self.slot_of}
+            todo = todo[:max(0, self.n_slots - len(pinned) - len(experts))]   # every unpinned slot is evictable
+            if not todo:
+                return
+            for e, s in zip(todo, self._take_slots(len(todo), pinned, prefetch=True)):
+                key = (layer, e)
+                self._assign(key, s)
+                self.policy.reset(s)
+                self.loading[key] = self.pool.submit(self._prefetch_read, key, s)
+
+    def _prefetch_read(self, key, slot) -> tuple[float, bool]:
+        try:
+            dt = self._read(key, slot)
+        except BaseException:
+            with self.lock:      # a damaged record: forgotten here, so the layer that needs it reads it again
+                if self.slot_of.get(key) == slot:
+                    self._forget(key)
+            raise
+        with self.lock:
+            self.loading.pop(key, None)
+            self.stats.prefetch_reads += 1
+            self.stats.prefetch_bytes += self.record_bytes
+        return dt, False
+
     def _timed_read(self, key, slot) -> tuple[float, bool]:
         return self._read(key, slot), True     # (seconds, a read of ours: counted when it lands)
 
@@ -243,7 +293,7 @@ class ExpertCache:
                     with self.lock:
                         self._forget((layer, e))
                     raise
-                if isinstance(r, tuple):        # our read (a fill read returns a bare 0.0 and is counted apart)
+                if isinstance(r, tuple) and r[1]:   # our read (fill and prefetch reads are counted apart)
                     with self.lock:
                         self.loading.pop((layer, e), None)
                         self.stats.bytes_read += self.record_bytes
