@@ -240,3 +240,51 @@ def test_prefetch_never_evicts_what_the_current_call_holds(releases):
         assert cache.stats.prefetch_reads == 2 and cache.stats.prefetch_evictions == 2
         assert cache.slot_map[l1, 2] >= 0 and cache.slot_map[l1, 3] >= 0
         assert all(cache.key_of[cache.slot_map[l0, e]] == (l0, e) for e in want)
+
+
+def test_routing_trace_recorded_then_replayed_scaled(releases, tmp_path):
+    """Item 3 of issue 15: --record-trace writes each token's experts per MoE layer as the router chose them (and
+    prefetch's predictions); --routing trace:FILE replays them, scaled to another expert count, and a bad file is
+    one clear error."""
+    from waste.runtime import trace
+    from waste.runtime.bench import bench
+
+    c = releases["qwen3_moe"][2]
+    path = tmp_path / "t.json"
+    with waste.load(c, dtype="float32", preload=False) as eng:
+        m = eng.model
+        r = bench(eng, n=5, prompt_len=8, bw_seconds=0.05, feed="random", record_trace=str(path))
+        t = trace.load(path)
+        E, k = m.moe["num_experts"], m.top_k
+        assert (t["num_experts"], t["top_k"], len(t["tokens"])) == (E, k, 8 + 5)
+        assert len(t["tokens"][0]) == len(eng.container.banks) and m.route_trace is None
+        # the recorded rows are the router's own choice on the same input
+        from waste.runtime.bench import BENCH_TEXT
+
+        seen = []
+        m.route_trace = seen
+        m.forward(torch.tensor(eng.tokenizer.encode(BENCH_TEXT)[:8]), m.new_state(), 0)
+        m.route_trace = None
+        for col, (layer, idx) in enumerate(seen):
+            assert idx.tolist() == [tok[col] for tok in t["tokens"][:8]]
+        # replayed on the same model: the same experts, per token and layer
+        seen = []
+        m.route_trace = seen
+        r2 = bench(eng, n=5, prompt_len=8, bw_seconds=0.05, feed="random", routing=f"trace:{path}")
+        m.route_trace = None
+        replayed = {}
+        for layer, idx in seen:
+            replayed.setdefault(layer, []).extend(idx.tolist())
+        for col, layer in enumerate(sorted(replayed)):
+            assert replayed[layer][:13] == [tok[col] for tok in t["tokens"]]
+        assert r2["routing"] == f"trace:{path}" and "route" not in vars(m) and "predict_route" not in vars(m)
+    assert r["decode"]["tokens"] == 5
+    # scaled: every traced expert stands for a block of the larger count, k distinct ids in range
+    assert trace.scale_ids([3, 1], 4, 16, 2) == [12, 4]
+    assert trace.scale_ids([3, 1], 4, 16, 4) == [12, 4, 13, 5]
+    assert trace.scale_ids([7, 6], 8, 4, 2) == [3, 0]          # both map to expert 3: the next free id
+    for bad in ("{", json.dumps({"format": "x"}), json.dumps({**t, "tokens": [[[E]] * len(t["tokens"][0])]})):
+        path.write_text(bad)
+        p = subprocess.run([sys.executable, "-m", "waste", "bench", str(c), "--routing", f"trace:{path}"],
+                           capture_output=True, text=True)
+        assert p.returncode != 0 and p.stderr.startswith("waste: error: ") and "Traceback" not in p.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from . import __version__, params
 from .errors import WasteError
@@ -169,9 +170,22 @@ def cmd_bench(a):
     check(params.engine, a.context, a.threads)
     if a.prompt_len < 1:
         raise WasteError("--prompt-len must be a positive number of tokens")
+    if a.routing.startswith("trace:"):
+        from .runtime.trace import load as load_trace
+
+        load_trace(a.routing[len("trace:"):])          # a bad file is refused before the model loads
+    elif a.routing not in ("model", "uniform"):
+        raise WasteError(f"--routing {a.routing!r}: use model, uniform or trace:FILE")
+    text = None
+    if a.text is not None:
+        try:
+            text = Path(a.text).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise WasteError(f"--text {a.text}: cannot read it as text ({exc})")
     eng = _load(a, a.model)
     try:
-        r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing, profile=a.profile)
+        r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing, profile=a.profile,
+                  text=text, record_trace=a.record_trace)
     finally:
         eng.close()
     print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
@@ -466,9 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--feed", choices=["greedy", "random"], default="greedy",
                    help="decode steps take the model's greedy token (default) or seeded random tokens (a random-"
                         "weight model's greedy output repeats, and so does its routing)")
-    b.add_argument("--routing", choices=["model", "uniform"], default="model",
-                   help="the router's choice (default) or top_k experts uniformly at random per token: the cache's "
-                        "worst case for a balanced model")
+    b.add_argument("--routing", default="model", metavar="model|uniform|trace:FILE",
+                   help="the router's choice (default), top_k experts uniformly at random per token (the cache's "
+                        "worst case for a balanced model), or a routing trace recorded by --record-trace replayed "
+                        "(scaled to this model's expert count; its recorded predictions drive prefetch)")
+    b.add_argument("--record-trace", default=None, metavar="FILE",
+                   help="write this run's routing per token and layer (and prefetch's predictions) to FILE")
+    b.add_argument("--text", default=None, metavar="FILE",
+                   help="prompt and decode feed from this text file's tokens (e.g. held-out code, to record a trace)")
     b.add_argument("--profile", action="store_true",
                    help="per-token time in buckets (attention, router, expert compute, expert wait, trunk matvec, "
                         "sampling, other) and the torch operators of one decode step")

@@ -42,6 +42,7 @@ class DecoderModel:
         self.moe = config.get("moe") or {}
         self.top_k = self.moe.get("top_k")
         self.route_trace: list | None = None   # set to [] to record (layer, expert ids) per forward
+        self.predict_trace: list | None = None  # set to [] to record next-layer prefetch's (layer, predicted ids)
         self.timer = NO_TIMER                   # waste bench --profile sets a timing.Timer
         self.swiglu_limit = config.get("swiglu_limit")   # clamped SwiGLU in every MLP (None: plain)
         self.dense = [self.cfg["layers"][i]["mlp"] == "dense" for i in range(len(self.layers))]
@@ -130,8 +131,15 @@ class DecoderModel:
             return None
         with self.timer.section("router"):
             w = self.layers[j]["post_attention_layernorm.weight"]
-            idx = [type(self).route(self, j, rms_norm(h, w, self.eps))[1] for h in hs]
+            idx = [self.predict_route(j, rms_norm(h, w, self.eps))[1] for h in hs]
+            if self.predict_trace is not None:
+                self.predict_trace.extend((j, t.clone()) for t in idx)
             return j, torch.unique(torch.cat([t.reshape(-1) for t in idx])).tolist()
+
+    def predict_route(self, j: int, x: torch.Tensor):
+        """The router prefetch predicts with: the family's own, even where a benchmark stands in for `route`
+        (a replayed trace stands in for this one too, with the predictions recorded beside it)."""
+        return type(self).route(self, j, x)
 
     def mlp_many(self, i: int, xs: list[torch.Tensor], hs: list | None = None) -> list[torch.Tensor]:
         """The MLP of layer i for each sequence's rows. A MoE layer asks the expert store once for the union of all
