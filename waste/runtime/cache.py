@@ -30,6 +30,9 @@ from ..layers.moe import MATRICES, Bank
 from .experts import ExpertStats, expert_act, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
 
+PREFETCH_MIN_PRECISION = 0.5   # of the predicted experts, the share the layer then needs (recent average)
+PRECISION_DECAY = 0.05         # weight of the newest prediction in that average (about the last 20 layer calls)
+
 
 class ExpertCache:
     def __init__(self, container: Container, budget_bytes: int | None, dtype: torch.dtype, threads: int = 4,
@@ -82,6 +85,9 @@ class ExpertCache:
         self.damage: BaseException | None = None
         self.prefetch = prefetch             # the model predicts the next MoE layer's experts and calls ahead()
         self._predicted: dict[int, set] = {}  # layer -> experts predicted for its next call (precision / recall)
+        # the prediction's recent precision: below PREFETCH_MIN_PRECISION prefetch only predicts (to keep
+        # measuring) and reads nothing, since most of what it read would be bandwidth taken from demand reads
+        self.precision = 1.0
         self._stop = threading.Event()
         self.fill_thread = None
         if preload is None:
@@ -191,6 +197,8 @@ class ExpertCache:
             st.predicted += len(pred)
             st.predicted_right += len(pred.intersection(union))
             st.predicted_needed += len(union)
+            if pred:
+                self.precision += PRECISION_DECAY * (len(pred.intersection(union)) / len(pred) - self.precision)
         per = max(self.n_slots, 1)
         for g in range(0, len(union), per):
             group = union[g:g + per]
@@ -239,7 +247,7 @@ class ExpertCache:
         residents, never one the current call holds or is reading, and only while enough evictable slots stay
         for that layer to fetch all of its experts itself if the prediction is wrong."""
         self._predicted[layer] = set(experts)
-        if layer not in self.banks:
+        if layer not in self.banks or self.precision < PREFETCH_MIN_PRECISION:
             return
         with self.lock:
             todo = [e for e in experts if (layer, e) not in self.slot_of]
