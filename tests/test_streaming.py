@@ -288,3 +288,28 @@ def test_routing_trace_recorded_then_replayed_scaled(releases, tmp_path):
         p = subprocess.run([sys.executable, "-m", "waste", "bench", str(c), "--routing", f"trace:{path}"],
                            capture_output=True, text=True)
         assert p.returncode != 0 and p.stderr.startswith("waste: error: ") and "Traceback" not in p.stderr
+
+
+def test_route_diff_separates_set_and_rank_agreement(releases, tmp_path):
+    """Item 5 of issue 15 (route-diff): a swap of two experts is a rank mismatch, not a set one; a container against
+    itself agrees fully; bf16 against q4 experts of one model agrees on most experts (the CLI, end to end)."""
+    from waste.convert.convert import convert
+    from waste.runtime.trace import agreement
+
+    a = {1: torch.tensor([[3, 5], [1, 2]]), 3: torch.tensor([[0, 1], [4, 6]])}
+    b = {1: torch.tensor([[5, 3], [1, 2]]), 3: torch.tensor([[0, 7], [4, 6]])}
+    r = agreement(a, b)
+    assert r["layers"][1] == {"set": 1.0, "rank": 0.5} and r["layers"][3] == {"set": 0.75, "rank": 0.75}
+    with pytest.raises(WasteError, match="different layers"):
+        agreement(a, {1: a[1]})
+    _, src, c = releases["qwen3_moe"]
+    q4 = convert(src, tmp_path / "q4.waste", experts="q4", trunk="bf16", progress=False)
+
+    def diff(x, y):
+        p = subprocess.run([sys.executable, "-m", "waste", "route-diff", str(x), str(y), "def f(x): return x * 2",
+                            "--json", "--dtype", "float32"], capture_output=True, text=True, check=True)
+        return json.loads(p.stdout)
+    same, other = diff(c, c), diff(c, q4)
+    assert same["set"] == same["rank"] == 1.0 and same["tokens"] > 3
+    assert set(other["layers"]) == set(same["layers"]) and other["rank"] <= other["set"] <= 1.0
+    assert other["set"] > 0.5

@@ -191,6 +191,32 @@ def cmd_bench(a):
     print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
 
 
+def cmd_route_diff(a):
+    from .runtime.trace import agreement, routes
+
+    engines = []
+    try:
+        for path in (a.a, a.b):
+            engines.append(_load(a, path))
+        ids = [e.encode(a.prompt) for e in engines]
+        if ids[0] != ids[1]:
+            raise WasteError("the two containers tokenize the prompt differently: they are not one model")
+        if not ids[0]:
+            raise WasteError("the prompt is empty: give some text")
+        r = agreement(*(routes(e, ids[0]) for e in engines))
+    finally:
+        for e in engines:
+            e.close()
+    r = {"a": a.a, "b": a.b, "tokens": len(ids[0]), **r}
+    if a.json:
+        print(json.dumps(r, indent=1))
+        return
+    print(f"{len(ids[0])} tokens; per MoE layer: set agreement (same experts, any order) / rank agreement")
+    for layer, v in r["layers"].items():
+        print(f"layer {layer:<4} set {100 * v['set']:6.2f}%  rank {100 * v['rank']:6.2f}%")
+    print(f"mean       set {100 * r['set']:6.2f}%  rank {100 * r['rank']:6.2f}%")
+
+
 def cmd_chat(a):
     from .chat_cli import cmd_chat as chat
 
@@ -493,6 +519,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "sampling, other) and the torch operators of one decode step")
     _engine_args(b)
     b.set_defaults(fn=cmd_bench)
+
+    rd = sub.add_parser("route-diff", help="per-layer routing agreement of two containers (formats) of one model")
+    rd.add_argument("a")
+    rd.add_argument("b")
+    rd.add_argument("prompt")
+    rd.add_argument("--json", action="store_true")
+    _engine_args(rd)
+    rd.set_defaults(fn=cmd_route_diff)
 
     i = sub.add_parser("info", help="describe a container")
     i.add_argument("model", nargs="?", default=None, help="default: the bundled default model (says where it lives)")

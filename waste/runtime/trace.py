@@ -113,3 +113,31 @@ def replay(model, trace: dict):
         return None, rows(j, x.shape[0], preds) if preds else torch.zeros(0, k, dtype=torch.long)
 
     return route, predict
+
+
+def routes(engine, ids: list[int]) -> dict[int, torch.Tensor]:
+    """One forward of ids: each MoE layer's expert ids [T, k], in the router's rank order."""
+    m = engine.model
+    m.route_trace = []
+    try:
+        m.forward(torch.tensor(ids), m.new_state(), 0, last_only=True)
+        return {layer: idx for layer, idx in m.route_trace}
+    finally:
+        m.route_trace = None
+
+
+def agreement(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> dict:
+    """Per layer: set agreement (the share of a token's experts that both chose, whatever their order: a swap of
+    two near-tied experts is no mismatch) and rank agreement (the share of (token, rank) positions with one id)."""
+    if sorted(a) != sorted(b):
+        raise WasteError(f"the two runs route different layers ({sorted(a)} and {sorted(b)}): not one model")
+    layers = {}
+    for layer in sorted(a):
+        x, y = a[layer], b[layer]
+        if x.shape != y.shape:
+            raise WasteError(f"layer {layer} routes {tuple(x.shape)} and {tuple(y.shape)}: not one model's top-k")
+        common = (x.unsqueeze(-1) == y.unsqueeze(-2)).any(-1).float().mean().item()
+        layers[layer] = {"set": common, "rank": (x == y).float().mean().item()}
+    n = len(layers) or 1
+    return {"layers": layers, "set": sum(v["set"] for v in layers.values()) / n,
+            "rank": sum(v["rank"] for v in layers.values()) / n}
