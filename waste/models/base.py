@@ -122,10 +122,12 @@ class DecoderModel:
     def predict_next(self, i: int, hs: list) -> tuple[int, list[int]] | None:
         """Next-layer prefetch: the experts the next MoE layer after i will likely route to, from the residual
         stream after layer i's attention through that layer's norm and router (the family's own router, not a
-        benchmark's stand-in). None where the store does not prefetch or the family's blocks reshape the stream
-        (mHC, attention residuals)."""
-        if not getattr(self.experts, "prefetch", False) or type(self).block_in is not DecoderModel.block_in:
+        benchmark's stand-in). None where the store does not prefetch or holds the whole bank (unless predictions
+        are being recorded), or where the family's blocks reshape the stream (mHC, attention residuals)."""
+        if type(self).block_in is not DecoderModel.block_in:
             return None
+        if self.predict_trace is None and not getattr(self.experts, "wants_prefetch", False):
+            return None     # off, or the whole bank fits (nothing to gain; a decode step's ops stay as they were)
         j = next((j for j in range(i + 1, len(self.layers)) if not self.dense[j]), None)
         if j is None:
             return None

@@ -93,6 +93,7 @@ class ExpertCache:
         if preload is None:
             preload = os.environ.get("WASTE_PRELOAD", "1") != "0"
         self.fits = self.n_slots >= self.n_records
+        self.wants_prefetch = prefetch and not self.fits     # the whole bank fits: the fill reads it all anyway
         if preload and self.fits and self.n_records:
             self.fill_thread = threading.Thread(target=self._fill, name="waste-fill", daemon=True)
             self.fill_thread.start()
