@@ -1,13 +1,13 @@
 """Quality of every storage format on the bundled trained model (docs/LEARNED.md, "Quantized formats").
 
-    OPENBLAS_NUM_THREADS=1 python benchmarks/quant_quality.py [--formats q8,q4,...] [--top-k 1] [--json out.json]
+    OPENBLAS_NUM_THREADS=1 python benchmarks/quant_quality.py [--formats q8,q4,...] [--experts-per-token 1] [--json out.json]
 
 Converts waste/bundled/tiny-py-moe once per (experts, trunk) pair into a temporary directory and compares it
 with the bf16 container, both computing in float32: mean KL and top-1 agreement of the next-token
 distributions over the held-out text (tests/data/heldout_waste_source.py.txt, waste's own source, which the
 model never saw: it was trained on the CPython standard library), and greedy agreement over 4 prompts x 32
-tokens. Also the per-matrix relative error of each format on the model's own expert matrices. --top-k K
-also measures routing each token to K experts (waste run --top-k) on the bf16 container.
+tokens. Also the per-matrix relative error of each format on the model's own expert matrices. --experts-per-token K
+also measures routing each token to K experts (waste run --experts-per-token) on the bf16 container.
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ PAIRS = [("q8", "bf16"), ("bf16", "q8"), ("q8", "q8"), ("q4g32", "bf16"), ("q4",
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", default=None, help="experts:trunk,... (default: all of PAIRS)")
-    ap.add_argument("--top-k", default="1", help="routing top-k values to measure on the bf16 container")
+    ap.add_argument("--experts-per-token", default="1", help="experts per token (comma-separated counts) to measure on "
+                    "the bf16 container")
     ap.add_argument("--json", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: immune to a busy machine's spinning)")
     a = ap.parse_args()
@@ -70,15 +71,15 @@ def main() -> None:
         print(f"{experts:>7} {trunk:>5}  KL {q.kl:.2e}  top1 {q.top1:.4f}  greedy {q.greedy_same}/{q.greedy_total}  "
               f"expert rel err {row['expert_rel_err']:.4f}  bank {row['bank_bytes'] / 1e6:.2f} MB  "
               f"trunk {row['trunk_bytes'] / 1e6:.2f} MB  convert {tc:.1f} s", flush=True)
-    for k in [int(v) for v in a.top_k.split(",") if v]:
+    for k in [int(v) for v in a.experts_per_token.split(",") if v]:
         ref.model.top_k = k
         try:
             q = compare(ref, ref, ids, prompts, ref_cache=dict(cache))
         finally:
             ref.model.top_k = ref.container.config["moe"]["top_k"]
         # compare() ran the reference memo against the engine at top-k: the memo holds the full-top-k outputs
-        rows.append({"experts": "bf16", "trunk": "bf16", "top_k": k, **q.row()})
-        print(f"top-k {k} (of {ref.container.config['moe']['top_k']}), bf16: KL {q.kl:.2e}  top1 {q.top1:.4f}  "
+        rows.append({"experts": "bf16", "trunk": "bf16", "experts_per_token": k, **q.row()})
+        print(f"experts per token {k} (of {ref.container.config['moe']['top_k']}), bf16: KL {q.kl:.2e}  top1 {q.top1:.4f}  "
               f"greedy {q.greedy_same}/{q.greedy_total}", flush=True)
     ref.close()
     if a.json:

@@ -98,6 +98,34 @@ def greedy_pair(hf, engine, ids: torch.Tensor, n: int = 32) -> tuple[list[int], 
     return ref, greedy(engine, ids.tolist(), n)
 
 
+def hooked_logits(hf, ids: torch.Tensor, hooks: list) -> torch.Tensor:
+    """The transformers model's all-position logits, run with its hooks in place, which are removed afterwards."""
+    try:
+        with torch.no_grad():
+            return hf(ids[None]).logits[0]
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def routed_forward(model, ids: torch.Tensor):
+    """One forward's all-position logits and the experts each MoE layer chose: {layer: [T, k] expert ids}."""
+    model.route_trace = []
+    try:
+        logits = model.forward(ids, model.new_state(), 0)
+        return logits, dict(model.route_trace)
+    finally:
+        model.route_trace = None
+
+
+def assert_same_routes(ours: dict, ref: dict) -> None:
+    """The same experts per layer and token, as sets (their order within a token changes nothing)."""
+    assert sorted(ours) == sorted(ref) and ours
+    for layer, idx in ours.items():
+        for t in range(len(idx)):
+            assert set(idx[t].tolist()) == set(ref[layer][t].tolist()), (layer, t)
+
+
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -108,12 +136,5 @@ def prompt(n: int, seed: int = 1) -> torch.Tensor:
 
 
 def engine_forward(engine, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """The engine's logits over ids from a fresh state, and per MoE layer the [T, k] expert ids it routed each token
-    to (the one place the tests read the model's route trace)."""
-    m = engine.model
-    m.route_trace = []
-    try:
-        logits = m.forward(ids, m.new_state(), 0)
-        return logits, dict(m.route_trace)
-    finally:
-        m.route_trace = None
+    """routed_forward on an engine's model."""
+    return routed_forward(engine.model, ids)

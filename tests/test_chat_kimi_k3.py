@@ -18,7 +18,7 @@ from k3_release import train_ranks, write_k3_tokenizer, write_release
 from serve_util import ThreadServer, sse_events
 
 import waste
-from waste.chat import ChatRequestError, chat_format
+from waste.chat import ChatRequestError
 from waste.convert.convert import convert
 from waste.engine import Decoding
 from waste.serve.app import ServerState
@@ -95,7 +95,7 @@ def test_tokenizer_keeps_han_runs_apart(k3):
 
 def test_thinking_and_its_effort_reach_the_template(k3):
     eng, _ = k3
-    fmt = chat_format(eng)
+    fmt = eng.chat_format()
     assert eng.tokenizer.token_to_id("<|end_of_msg|>") in fmt.stop_ids     # found by rendering the template
     default = fmt.render(ASK)
     assert "thinking_effort=max" in default.text and default.text.endswith("<|open|>think<|sep|>")
@@ -125,7 +125,7 @@ def test_engine_chat_reasoning_tool_call_and_result_round_trip(k3, monkeypatch):
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
     # the call and its result go back through the template as XTML
     history = [*ASK, c.message(), {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
-    text = chat_format(eng).render(history, tools=TOOLS).text
+    text = eng.chat_format().render(history, tools=TOOLS).text
     assert ('<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris'
             '<|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
             '<|close|>call<|sep|>') in text

@@ -120,3 +120,19 @@ def test_damaged_bank_header_is_named_by_verify_and_refused_by_run(damaged, wher
         p = waste(*args)
         out = p.stdout + p.stderr
         assert p.returncode == 1 and "layer_002.bank" in out and what in out, out
+
+
+def test_top_k_samples_and_experts_per_token_routes(releases):
+    """--top-k is sampling's (top-1 at any temperature is the greedy text) and says so; routing each token to K
+    experts is --experts-per-token, checked against the release's number; serve and bench name the new flag."""
+    c = releases["qwen3_moe"][2]
+    greedy = waste("run", c, "def f(x):", "-n", "12", "--temperature", "0", check=True)
+    top1 = waste("run", c, "def f(x):", "-n", "12", "--temperature", "1.5", "--top-k", "1", "--seed", "3", check=True)
+    assert top1.stdout == greedy.stdout
+    assert "--experts-per-token K" in top1.stderr and "--experts-per-token" not in greedy.stderr
+    routed = waste("run", c, "def f(x):", "-n", "12", "--temperature", "0", "--experts-per-token", "1", check=True)
+    assert routed.stdout != greedy.stdout        # one expert instead of the release's two changes the text
+    p = waste("run", c, "hi", "--experts-per-token", "3")
+    assert p.returncode == 1 and "--experts-per-token 3: choose 1 to 2" in p.stderr
+    p = waste("serve", c, "--top-k", "1", "--port", "0")
+    assert p.returncode == 1 and "waste serve has no --top-k" in p.stderr and "--experts-per-token K" in p.stderr

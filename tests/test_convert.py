@@ -114,9 +114,7 @@ def test_missing_and_unexpected_tensors_are_named_before_writing(tmp_path, relea
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param("model.layers.1.self_attn.q_proj.weight", marks=pytest.mark.xfail(strict=True, reason=(
-        "known gap (issue 18): check_names checks expert shapes only; a trunk matrix of the wrong shape converts, "
-        "and `waste run` then fails inside F.linear with a traceback"))),
+    "model.layers.1.self_attn.q_proj.weight",
     "model.layers.2.mlp.experts.3.down_proj.weight"])
 def test_shape_mismatch_is_refused_by_name_before_writing(tmp_path, releases, name):
     """A tensor whose shape the config does not give (a trunk matrix, an expert matrix): one error naming it and both

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import waste
-from fixtures import engine_forward, greedy_pair, prompt, rel_l2, split_and_whole
+from fixtures import assert_same_routes, greedy_pair, prompt, rel_l2, routed_forward, split_and_whole
 
 FAMILIES = ["qwen3_moe", "kimi_linear"]
 LENGTH = {"qwen3_moe": 24, "kimi_linear": 80}   # 80 crosses KDA's 64-token chunk
@@ -38,13 +38,10 @@ def test_logits_and_routing_match_transformers(family, releases, engines):
     hf, eng = releases[family][0], engines[family]
     ids = prompt(LENGTH[family])
     ref, ref_routes = hf_routes(hf, ids)
-    logits, ours = engine_forward(eng, ids)
+    logits, ours = routed_forward(eng.model, ids)
     print(f"{family} logits {rel_l2(logits, ref):.2e}")
     assert rel_l2(logits, ref) < LOGITS[family]
-    assert sorted(ours) == sorted(ref_routes) and ours
-    for layer, idx in ours.items():
-        for t in range(len(ids)):
-            assert set(idx[t].tolist()) == set(ref_routes[layer][t].tolist()), (layer, t)
+    assert_same_routes(ours, ref_routes)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

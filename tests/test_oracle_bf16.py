@@ -6,7 +6,9 @@ Two bf16 implementations that round in different places cannot agree better than
 the bounds are set by what transformers' own bf16 misses (docs/LEARNED.md §2f): on these random fixtures bf16
 moves the logits 5-27% (and flips a few experts, which moves everything after them). Held here: (1) our bf16 is
 no further from float32 than transformers' bf16 is, within 25%; (2) our bf16 against transformers' bf16 within 1.5x
-the measured figure; (3) expert choices mostly the same (reported); (4) greedy text the same for most of 24 tokens.
+the measured figure; (3) expert choices mostly the same (reported); (4) greedy text: ours follows float32's as long
+as transformers' bf16 does (on these random weights near-ties make any two bf16 texts part early: both leave
+float32's after 4-17 tokens, docs/LEARNED.md §2f).
 """
 import sys
 
@@ -21,14 +23,13 @@ from waste.convert.convert import convert
 from waste.quant.quality import agreement, greedy
 
 LENGTH = {"qwen3_moe": 24, "kimi_linear": 80, "glm5_next": 80, "deepseek_v3": 100}
-# measured ours-bf16 against transformers-bf16 rel L2: 6.2e-2, 4.2e-2, 2.0e-1, 3.4e-2 (bound: 1.5x)
-BOUND = {"qwen3_moe": 0.094, "kimi_linear": 0.063, "glm5_next": 0.30, "deepseek_v3": 0.05}
-# measured routing agreement per (layer, token): 70/72, 320/320, 306/320, 298/300; greedy tokens equal before the
-# first difference, of 24: 24, 24, 22, 24 (of 32: 32, 30, 22, 32; GLM's first difference is where bf16 moved a 0.4
-# gap of transformers' own)
+# measured ours-bf16 against transformers-bf16 rel L2 after the compute-core rewrite (fused attention, experts'
+# weighted sum in float32): 5.5e-2, 7.1e-2, 1.9e-1, 4.7e-2 (bound: 1.5x); ours against float32 went to 9.2e-3,
+# 1.26e-1, 2.48e-1, 8.3e-2 (transformers' bf16: 5.4e-2, 1.37e-1, 2.65e-1, 7.1e-2)
+BOUND = {"qwen3_moe": 0.082, "kimi_linear": 0.107, "glm5_next": 0.29, "deepseek_v3": 0.07}
+# measured routing agreement per (layer, token): 70/72, 320/320, 306/320, 298/300
 ROUTES = 0.9
 N_GREEDY = 24
-GREEDY = {"qwen3_moe": 20, "kimi_linear": 20, "glm5_next": 16, "deepseek_v3": 20}
 
 
 def build(family):
@@ -97,16 +98,20 @@ def test_bf16_logits_and_routing_against_transformers_bf16(case):
 
 
 def test_bf16_greedy_text_against_transformers_bf16(case):
-    family, _, hb, out = case
+    """Measured (tokens equal before the first difference, of 24): ours against float32 4, 17, 17, 15, exactly
+    transformers' bf16 against float32 on every family; ours against transformers' bf16 11, 24, 22, 24."""
+    family, hf, hb, out = case
     ids = prompt(8, seed=3)
+    kw = dict(max_new_tokens=N_GREEDY, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        theirs = hb.generate(ids[None], max_new_tokens=N_GREEDY, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(ids):].tolist()
+        theirs = hb.generate(ids[None], **kw)[0, len(ids):].tolist()
+        exact = hf.generate(ids[None], **kw)[0, len(ids):].tolist()
     with waste.load(out, dtype="bfloat16") as eng:
         ours = greedy(eng, ids.tolist(), N_GREEDY)
-    n = agreement(ours, theirs)
-    print(f"\n{family} bf16 greedy: {n}/{N_GREEDY} tokens equal before the first difference")
-    assert len(ours) == N_GREEDY and n >= GREEDY[family]
+    n_ours, n_theirs = agreement(ours, exact), agreement(theirs, exact)
+    print(f"\n{family} bf16 greedy, tokens equal to float32's before the first difference: ours {n_ours}, "
+          f"transformers' bf16 {n_theirs}, of {N_GREEDY}; ours against transformers' bf16 {agreement(ours, theirs)}")
+    assert len(ours) == N_GREEDY and n_ours >= n_theirs
 
 
 def test_auto_computes_in_bf16_from_2_gib(releases, monkeypatch):
@@ -114,19 +119,19 @@ def test_auto_computes_in_bf16_from_2_gib(releases, monkeypatch):
     this tiny container's size to try both sides), and auto's bf16 is the same computation as an explicit bfloat16."""
     import json
 
-    import waste.engine
+    import waste.runtime.dtype as dtypes
 
-    assert waste.engine.AUTO_F32_BYTES == 2 << 30          # docs/ARCHITECTURE.md "Compute dtype"
+    assert dtypes.AUTO_F32_BYTES == 2 << 30          # docs/ARCHITECTURE.md "Compute dtype"
     path = releases["qwen3_moe"][2]
     m = json.loads((path / "manifest.json").read_text())
     size = m["trunk"]["bytes"] + m["experts"]["bytes"]
     ids = prompt(16)
     with waste.load(path, dtype="auto") as eng:
         assert eng.dtype == torch.float32
-    monkeypatch.setattr(waste.engine, "AUTO_F32_BYTES", size + 1)
+    monkeypatch.setattr(dtypes, "AUTO_F32_BYTES", size + 1)
     with waste.load(path, dtype="auto") as eng:
         assert eng.dtype == torch.float32
-    monkeypatch.setattr(waste.engine, "AUTO_F32_BYTES", size)
+    monkeypatch.setattr(dtypes, "AUTO_F32_BYTES", size)
     with waste.load(path, dtype="auto") as auto, waste.load(path, dtype="bfloat16") as bf16:
         assert auto.dtype == torch.bfloat16
         a, b = engine_forward(auto, ids)[0], engine_forward(bf16, ids)[0]

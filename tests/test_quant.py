@@ -161,8 +161,8 @@ def test_routing_to_fewer_experts(bundled_ref):
     root, ref, ids, prompts, cache = bundled_ref
     path = ref.container.root
     with pytest.raises(WasteError, match="choose 1 to 2"):
-        waste.load(path, dtype="float32", top_k=3)
-    with waste.load(path, dtype="float32", top_k=1) as eng:
+        waste.load(path, dtype="float32", experts_per_token=3)
+    with waste.load(path, dtype="float32", experts_per_token=1) as eng:
         assert eng.model.top_k == 1
         q = compare(ref, eng, ids, prompts, n=16, ref_cache=cache)
     # a real cost, held to the measured figure plus 25% (docs/LEARNED.md §5e: KL 0.125, top-1 0.829 on this text)

@@ -75,7 +75,9 @@ def ct_release(hf, dst, preset: str, group: int | None = 32):
 
 
 def one_matrix_release(tmp_path, packed: dict):
-    (tmp_path / "config.json").write_text("{}")
+    # the keys every config needs (convert/source.py check_config); the checkpoint reader reads nothing else here
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "vocab_size": 16, "hidden_size": 16,
+                                                      "num_hidden_layers": 1, "num_attention_heads": 1}))
     save_file({f"m.{k}": v.contiguous() for k, v in packed.items()}, str(tmp_path / "model.safetensors"))
     return Checkpoint(tmp_path)
 

@@ -3,6 +3,7 @@ client: blocking, async and streaming chat, completions, the wire shape of SSE, 
 metrics, and a bounded load test with the server's memory sampled."""
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -199,6 +200,18 @@ def test_metrics(server, client, http):
     assert metric(text, "waste_requests_total", endpoint="/v1/chat/completions", status=200) >= 1
     assert metric(text, "waste_generation_tokens_total") >= 1
     assert 0 <= metric(text, "waste_expert_cache_hit_rate") <= 1
+    # histograms (p50 / p99 through histogram_quantile): every finished request has a first token and a duration;
+    # every token but a request's first has an inter-token latency
+    for name in ("waste_time_to_first_token_seconds", "waste_inter_token_latency_seconds",
+                 "waste_request_duration_seconds"):
+        assert f"# TYPE {name} histogram" in text, name
+        buckets = [float(v) for le, v in re.findall(rf'{name}_bucket{{le="([^"]+)",model="[^"]*"}} (\S+)', text)]
+        assert buckets == sorted(buckets) and buckets[-1] == metric(text, name + "_count"), name
+    firsts = metric(text, "waste_time_to_first_token_seconds_count")
+    assert firsts >= 1 and metric(text, "waste_request_duration_seconds_count") >= firsts
+    assert metric(text, "waste_inter_token_latency_seconds_count") == \
+        metric(text, "waste_generation_tokens_total") - firsts
+    assert metric(text, "waste_time_to_first_token_seconds_sum") > 0
 
 
 def test_load_200_requests_8_concurrent_flat_memory(server):

@@ -174,7 +174,7 @@ def test_health_is_503_while_loading_then_200(releases):
 
 def _wait_cancelled(state, before: int, timeout: float = 30.0) -> None:
     t0 = time.monotonic()
-    while state.metrics.finished_by_reason.get("cancelled", 0) <= before or state.scheduler.active:
+    while state.metrics.value("waste_requests_finished_total", reason="cancelled") <= before or state.scheduler.active:
         assert time.monotonic() - t0 < timeout, "the generation was not cancelled"
         time.sleep(0.01)
 
@@ -212,7 +212,7 @@ def test_disconnect_stops_generation_within_one_step(plain, monkeypatch):
     state = srv.state
     body = {"prompt": "def f(x):", "max_tokens": 1500, "temperature": 0}
     for stream in (True, False):
-        before = state.metrics.finished_by_reason.get("cancelled", 0)
+        before = state.metrics.value("waste_requests_finished_total", reason="cancelled")
         start = len(made)
         if stream:
             with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:

@@ -277,7 +277,7 @@ def test_routing_trace_recorded_then_replayed_scaled(releases, tmp_path):
             replayed.setdefault(layer, []).extend(idx.tolist())
         for col, layer in enumerate(sorted(replayed)):
             assert replayed[layer][:13] == [tok[col] for tok in t["tokens"]]
-        assert r2["routing"] == f"trace:{path}" and "route" not in vars(m) and "predict_route" not in vars(m)
+        assert r2["routing"] == f"trace:{path}" and m.router is None and m.predictor is None
     assert r["decode"]["tokens"] == 5
     # scaled: every traced expert stands for a block of the larger count, k distinct ids in range
     assert trace.scale_ids([3, 1], 4, 16, 2) == [12, 4]

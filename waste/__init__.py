@@ -1,5 +1,5 @@
 """waste: run Mixture-of-Experts language models larger than memory."""
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401  (waste.__version__)
 
 
 def load(path=None, **kwargs):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from .errors import WasteError
+from .runtime.sampling import SamplingParams
 from .text.chat_format import ChatFormat, encode_chat_format, load_chat_json
 from .text.chat_template import ChatTemplate, chat_segments, prepare_messages, template_arguments_as_dicts
 from .text.errors import TextError
@@ -185,24 +186,10 @@ def load_chat_format(container, tokenizer, eos_ids=()) -> TemplateChat | JsonCha
     raise UnsupportedChatFormat(reasons)
 
 
-def chat_format(engine) -> TemplateChat | JsonChat:
-    """The engine's chat format, loaded once; raises UnsupportedChatFormat (the same one each time)."""
-    cached = getattr(engine, "_chat_format", None)
-    if cached is None:
-        try:
-            cached = load_chat_format(engine.container, engine.tokenizer, engine.eos_ids)
-        except UnsupportedChatFormat as e:
-            cached = e
-        engine._chat_format = cached
-    if isinstance(cached, UnsupportedChatFormat):
-        raise cached
-    return cached
-
-
 def chat_support(engine) -> list[str]:
     """[] when the engine can chat, else the reasons it cannot (a server holds them rather than dying)."""
     try:
-        chat_format(engine)
+        engine.chat_format()
     except UnsupportedChatFormat as e:
         return e.reasons
     return []
@@ -281,10 +268,7 @@ def chat(engine, messages, tools=None, max_tokens=None, temperature=0.0, top_p=1
          tool_choice=None) -> ChatCompletion:
     """Render, validate and start one reply (see Engine.chat). Every refusal is raised here, before a token
     is generated. max_tokens: None, or more than the context has left, means up to the end of the context."""
-    from .engine import Generation
-    from .runtime.sampling import SamplingParams
-
-    fmt = chat_format(engine)
+    fmt = engine.chat_format()
     msgs = normalise_messages(messages)
     tools = _check_tools(tools)
     choice = _check_tool_choice(tool_choice, tools)
@@ -309,7 +293,7 @@ def chat(engine, messages, tools=None, max_tokens=None, temperature=0.0, top_p=1
         raise ChatRequestError("stop must be a list of strings", "stop")
     n = room if max_tokens is None else min(max_tokens, room)
     sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
-    completion = ChatCompletion(Generation(engine, rendered.ids, n, sampling, stop or [], fmt.stop_ids), rendered)
+    completion = ChatCompletion(engine.generation(rendered.ids, n, sampling, stop or [], fmt.stop_ids), rendered)
     if not stream:
         for _ in completion:
             pass

@@ -134,7 +134,7 @@ class Session:
         try:
             try:
                 completion = self.engine.chat(
-                    convo, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                    convo, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, seed=a.seed,
                     stop=a.stop or None, stream=True, thinking=False if a.no_thinking else None,
                     reasoning_effort=a.reasoning_effort, tools=self.tools)
             except ChatRequestError as e:
@@ -228,11 +228,9 @@ def read_tools(path: str) -> list:
 
 def cmd_chat(a, load) -> None:
     """The `waste chat` verb; `load(args, model)` opens the engine as `waste run` does."""
-    from .chat import chat_format
-
     eng = load(a, a.model)
     try:
-        fmt = chat_format(eng)  # refuses here, with the reasons, before the first prompt
+        fmt = eng.chat_format()  # refuses here, with the reasons, before the first prompt
         if eng.plan is not None and eng.plan.warning:
             print(f"waste: warning: {eng.plan.warning}", file=sys.stderr)
         if sys.stdin.isatty():

@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from . import __version__, params
+from . import params
+from .version import __version__
 from .errors import WasteError
 from .units import fmt_bytes as _fmt_bytes
 
 # waste/params.py names a parameter as the server does; the CLI says it as its flag
-FLAGS = {"max_tokens": "-n", "temperature": "--temperature", "top_p": "--top-p", "min_p": "--min-p",
+FLAGS = {"max_tokens": "-n", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
          "seed": "--seed", "context": "--context", "threads": "--threads"}
 
 
@@ -26,8 +28,11 @@ def check(fn, *args, **kw):
 def check_run_args(a) -> None:
     """The sampling and engine flags of run and chat, before anything loads: the server's own limits."""
     check(params.max_tokens, a.n)
-    check(params.sampling, a.temperature, a.top_p, 0, a.min_p, a.seed)
+    check(params.sampling, a.temperature, a.top_p, a.top_k, a.min_p, a.seed)
     check(params.engine, a.context, a.threads)
+    if a.top_k:
+        print(f"waste: note: --top-k {a.top_k} samples from the {a.top_k} most likely tokens; routing each token to K "
+              "experts is --experts-per-token K (it was --top-k before waste 0.2)", file=sys.stderr)
 
 
 def model_path(model, check: bool = True):
@@ -60,13 +65,26 @@ def cmd_convert(a):
     print(f"chat format: {describe_chat(read_manifest(out)['text'])}")
 
 
-def cmd_info(a):
+def _open(path):
+    """The container at path, refused by name when its family is not one waste runs."""
     from .container import open_container
+    from .models import check_family
+
+    c = open_container(path)
+    try:
+        check_family(c.family)
+    except WasteError:
+        c.close()
+        raise
+    return c
+
+
+def cmd_info(a):
     from .container.info import describe
 
     if a.convert_only:
         return _convert_only(a, a.model)
-    c = open_container(model_path(_model(a, a.model)))
+    c = _open(model_path(_model(a, a.model)))
     d = describe(c)
     if a.model is None:
         d["default_model"] = True
@@ -116,7 +134,8 @@ def _load(a, model):
 
     model = _model(a, model)
     return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
-                       preload=False if a.no_preload else None, top_k=a.top_k, prefetch=not a.no_prefetch)
+                       preload=False if a.no_preload else None, experts_per_token=a.experts_per_token,
+                       device=a.device, prefetch=not a.no_prefetch)
 
 
 def _engine_args(p):
@@ -130,23 +149,33 @@ def _engine_args(p):
                    help="do not read the next MoE layer's predicted experts ahead of its router (next-layer "
                         "prefetch; outputs are the same bits either way)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
-    p.add_argument("--top-k", type=int, default=None, metavar="K",
-                   help="route each token to K experts instead of the release's top_k (fewer: faster, at a quality "
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), or cuda: trunk and expert slab in GPU memory (first step of the CUDA backend: "
+                        "bf16 / f16 / f32 / q8 experts; `auto` picks cuda when a GPU is present)")
+    p.add_argument("--experts-per-token", type=int, default=None, metavar="K",
+                   help="route each token to K experts instead of the release's number (fewer: faster, at a quality "
                         "cost; docs/LEARNED.md measures it)")
 
 
-def cmd_plan(a):
-    import torch
+def _routing_top_k(verb: str):
+    """`serve` and `bench` have no sampling --top-k: the flag that routed before waste 0.2 is named, not guessed."""
+    class Refuse(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            raise WasteError(f"waste {verb} has no --top-k: route each token to K experts with --experts-per-token K "
+                             "(--top-k meant that before waste 0.2)"
+                             + ("; a request sets its own sampling top_k" if verb == "serve" else ""))
+    return Refuse
 
-    from .container import open_container
-    from .engine import resolve_dtype
+
+def cmd_plan(a):
+    from .runtime.dtype import resolve_dtype
     from .runtime.plan import plan_memory
     from .units import parse_size
 
     check(params.engine, a.context, 1)
     if _is_hub(a.model):
         return _hub_plan(a)
-    c = open_container(model_path(a.model))
+    c = _open(model_path(a.model))
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
                     None if a.budget is None else parse_size(a.budget))
     if a.json:
@@ -160,7 +189,6 @@ def cmd_plan(a):
         print("\n".join(lines))
     if p.warning:
         print(f"waste: warning: {p.warning}", file=sys.stderr)
-    del torch
 
 
 def cmd_bench(a):
@@ -227,8 +255,6 @@ def cmd_chat(a):
 
 
 def cmd_serve(a):
-    import os
-
     from .units import parse_size
 
     if a.max_queue < 0 or a.max_batch < 1:
@@ -247,9 +273,7 @@ def cmd_serve(a):
         a.model_name, a.model = a.model_name or a.model, _model(a, a.model)
     sock = bind(a.host, a.port)   # before the slow imports: connections wait in the backlog, never refused
     if a.model is not None:       # a bad path or a damaged manifest: an error now, not a server that fails later
-        from .container import open_container
-
-        open_container(a.model).close()
+        _open(a.model).close()
     from .serve.app import serve
 
     key = a.api_key or os.environ.get("WASTE_API_KEY") or None
@@ -285,7 +309,7 @@ def cmd_run(a):
                else "--context")
         raise WasteError(f"{e.message(FLAGS.get(e.param))} ({why}): lower -n, shorten the prompt"
                          + (" or raise --context" if why == "--context" else "")) from None
-    g = eng.generate(ids, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, min_p=a.min_p,
+    g = eng.generate(ids, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                      seed=a.seed, stop=a.stop, stream=True)
     sys.stdout.write(prompt)
     sys.stdout.flush()
@@ -439,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the same command printing the same text (docs/LEARNED.md §4). --temperature 0 is greedy.
     r.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
     r.add_argument("--top-p", type=float, default=0.9, help="default 0.9")
+    r.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (default 0: off)")
     r.add_argument("--min-p", type=float, default=0.05, help="default 0.05")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: the same text every run)")
     r.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -452,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("-n", type=int, default=512, help="most tokens per reply (default 512; the context caps it)")
     ch.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     ch.add_argument("--top-p", type=float, default=1.0)
+    ch.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens (0: off)")
     ch.add_argument("--min-p", type=float, default=0.0)
     ch.add_argument("--seed", type=int, default=None)
     ch.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -487,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="on SIGTERM, how long running requests may finish before they are ended with an error "
                          "event (default 30)")
     _engine_args(sv)
+    sv.add_argument("--top-k", action=_routing_top_k("serve"), help=argparse.SUPPRESS)
     sv.set_defaults(fn=cmd_serve)
 
     pl = sub.add_parser("plan", help="print the memory plan: floor, working set, bank, the chosen expert budget")
@@ -518,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-token time in buckets (attention, router, expert compute, expert wait, trunk matvec, "
                         "sampling, other) and the torch operators of one decode step")
     _engine_args(b)
+    b.add_argument("--top-k", action=_routing_top_k("bench"), help=argparse.SUPPRESS)
     b.set_defaults(fn=cmd_bench)
 
     rd = sub.add_parser("route-diff", help="per-layer routing agreement of two containers (formats) of one model")
@@ -548,7 +576,14 @@ def _uses_default(args) -> bool:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    # before numpy loads (verbs import it): its spinning BLAS threads would starve numba's vq3 / mxfp4 kernels
+    # (shared/reference/machine.md §C); a value the user set is kept
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    try:
+        args = build_parser().parse_args(argv)
+    except WasteError as e:          # a flag refused by name (a renamed one)
+        print(f"waste: error: {e}", file=sys.stderr)
+        return 1
     try:
         args.fn(args)
     except WasteError as e:

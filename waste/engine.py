@@ -2,50 +2,54 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from .container import Container, open_container
 from .errors import WasteError
-from .models import build_model
+from .models import build_model, check_family
 from .quant.linear import assemble_trunk
 from .runtime.cache import ExpertCache
+from .runtime.dtype import resolve_dtype
 from .runtime.plan import MemoryPlan, plan_memory
 from .units import parse_size
 from .runtime.sampling import Sampler, SamplingParams
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-AUTO_F32_BYTES = 2 << 30   # a model smaller than this computes in float32: exact, and cheap enough
-
-
-def set_top_k(model, k: int) -> None:
+def set_experts_per_token(model, k: int) -> None:
     """Route each token to k experts (seed 0.6.7 §56: fewer experts per token is a speed/quality trade left to
     the user; docs/LEARNED.md records its KL on the bundled model). Only lowering is allowed."""
-    check_top_k(model.cfg, k)
+    check_experts_per_token(model.cfg, k)
     model.top_k = k
 
 
-def check_top_k(cfg: dict, k: int) -> None:
+def check_experts_per_token(cfg: dict, k: int) -> None:
     release = (cfg.get("moe") or {}).get("top_k")
     if not release:
-        raise WasteError("--top-k: this model has no routed experts")
+        raise WasteError("--experts-per-token: this model has no routed experts")
     if not 1 <= k <= release:
-        raise WasteError(f"--top-k {k}: choose 1 to {release} (the release routes each token to {release} experts)")
+        raise WasteError(f"--experts-per-token {k}: choose 1 to {release} (the release routes each token to "
+                         f"{release} experts)")
 
 
-def resolve_dtype(name: str, container: Container) -> torch.dtype:
-    """auto: float32 for small models; bfloat16 above, where the stored bf16 experts are used as they are
-    instead of being widened for every use."""
+def _print_lines(lines: list[str]) -> None:
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def resolve_device(name: str) -> str:
+    if name in ("cpu", None):
+        return "cpu"
     if name == "auto":
-        m = container.manifest
-        return torch.float32 if m["trunk"]["bytes"] + m["experts"]["bytes"] < AUTO_F32_BYTES else torch.bfloat16
-    if name not in DTYPES:
-        raise WasteError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise WasteError(f"--device {name}: this torch sees no CUDA GPU (torch {torch.__version__}); use --device cpu")
+        return name
+    raise WasteError(f"unknown device {name!r}; choose cpu, cuda or auto")
 
 
 @dataclass
@@ -148,7 +152,6 @@ class Generation:
         self.engine, self.prompt_ids, self.max_tokens = engine, prompt_ids, max_tokens
         self.decoding = Decoding(engine.tokenizer, max_tokens, sampling, stop, set(engine.eos_ids) | set(stop_ids),
                                  logprobs)
-        self.sampler, self.stop, self.stop_ids = self.decoding.sampler, self.decoding.stop, self.decoding.stop_ids
         self.token_ids: list[int] = self.decoding.token_ids
         self.text = ""
         self.finish_reason: str | None = None
@@ -175,7 +178,7 @@ class Generation:
                 tok = self.decoding.sample(logits)
                 self.stats.generated_tokens += 1
                 yield tok
-                if tok in self.stop_ids or n + 1 == self.max_tokens:
+                if tok in self.decoding.stop_ids or n + 1 == self.max_tokens:
                     break
                 logits = model.step([(torch.tensor([tok]), state, pos)])[0][-1]
                 pos += 1
@@ -211,6 +214,7 @@ class Engine:
     def __init__(self, container: Container, model, tokenizer, experts, dtype: torch.dtype, plan: MemoryPlan | None = None):
         self.container, self.model, self.tokenizer, self.experts, self.dtype = container, model, tokenizer, experts, dtype
         self.plan = plan
+        self._chat_format = None    # loaded on first use (chat_format()): the format, or why there is none
         self.eos_ids = set(container.config.get("eos_token_ids") or [])
         gen = container.text_file("generation_config")
         if gen and gen.is_file():
@@ -220,33 +224,49 @@ class Engine:
     @classmethod
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
-             top_k: int | None = None, prefetch: bool = True) -> "Engine":
+             experts_per_token: int | None = None, dump_dsa: bool | None = None, device: str = "cpu",
+             prefetch: bool = True) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
-        WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). top_k: route
-        each token to this many experts instead of the release's top_k (1 .. top_k; a quality trade). prefetch:
-        read the next MoE layer's predicted experts while this one computes (the same bits either way)."""
+        WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). experts_per_token:
+        route each token to this many experts instead of the release's number (1 .. that; a quality trade).
+        dump_dsa (None follows WASTE_DUMP_DSA): print each DSA indexer selection to stderr (GLM-5.3).
+        device: "cpu", or "cuda" (the trunk and the expert slab in GPU memory: the first step of the CUDA backend;
+        float and q8 expert formats). prefetch: read the next MoE layer's predicted experts while this one
+        computes (the same bits either way)."""
+        if preload is None:
+            preload = os.environ.get("WASTE_PRELOAD", "1") != "0"
+        if dump_dsa is None:
+            dump_dsa = os.environ.get("WASTE_DUMP_DSA", "0") not in ("", "0")
         if path is None:
             from .default_model import default_model_path
 
             path = default_model_path()
         container = open_container(path)
+        experts = None
         try:
+            check_family(container.family)
             dt = resolve_dtype(dtype, container)
-            if top_k is not None:
-                check_top_k(container.config, top_k)      # before the cache starts its fill thread
+            if experts_per_token is not None:
+                check_experts_per_token(container.config, experts_per_token)   # before the cache's fill thread
             plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
                                None if budget is None else parse_size(budget))
             from .text.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(container.root)
             trunk = assemble_trunk(container.load_trunk(verify=verify), container.manifest["trunk"])
+            dev = resolve_device(device)
             experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
-                                  direct=direct, prefetch=prefetch)
+                                  direct=direct, device=dev, prefetch=prefetch)
             f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()
-            model = build_model(container.family, container.config, trunk, experts, dt, f32, capacity=context)
-            if top_k is not None:
-                set_top_k(model, top_k)
+            model = build_model(container.family, container.config, trunk, experts, dt, f32, capacity=context,
+                                device=dev)
+            if experts_per_token is not None:
+                set_experts_per_token(model, experts_per_token)
+            if dump_dsa and hasattr(model, "dsa_dump"):
+                model.dsa_dump = _print_lines
         except BaseException:
+            if experts is not None:      # its background fill reads the banks: stop it before they close
+                experts.close()
             container.close()
             raise
         return cls(container, model, tokenizer, experts, dt, plan)
@@ -254,12 +274,17 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def generation(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: list[str],
+                   stop_ids=(), logprobs: int | None = None) -> Generation:
+        """A request not started yet: iterating it generates (what generate() and chat() hand out)."""
+        return Generation(self, prompt_ids, max_tokens, sampling, stop, stop_ids, logprobs)
+
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
                  stream: bool = False):
         """stream=True: a Generation to iterate for text deltas. stream=False: the finished Generation."""
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        g = Generation(self, ids, max_tokens, SamplingParams(temperature, top_p, top_k, min_p, seed), stop or [])
+        g = self.generation(ids, max_tokens, SamplingParams(temperature, top_p, top_k, min_p, seed), stop or [])
         if not stream:
             for _ in g:
                 pass
@@ -277,6 +302,20 @@ class Engine:
         return chat(self, messages, tools=tools, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                     top_k=top_k, min_p=min_p, seed=seed, stop=stop, stream=stream, reasoning_effort=reasoning_effort,
                     thinking=thinking, chat_template_kwargs=chat_template_kwargs, tool_choice=tool_choice)
+
+    def chat_format(self):
+        """The container's chat format (waste/chat.py), loaded once; raises UnsupportedChatFormat, the same one
+        each time, when it has none."""
+        from .chat import UnsupportedChatFormat, load_chat_format
+
+        if self._chat_format is None:
+            try:
+                self._chat_format = load_chat_format(self.container, self.tokenizer, self.eos_ids)
+            except UnsupportedChatFormat as e:
+                self._chat_format = e
+        if isinstance(self._chat_format, UnsupportedChatFormat):
+            raise self._chat_format
+        return self._chat_format
 
     def close(self) -> None:
         self.experts.close()

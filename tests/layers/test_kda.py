@@ -4,50 +4,14 @@ import sys
 
 sys.modules["fla"] = None  # keep transformers on its pure-torch fallbacks (fla's Triton kernels fail on CPU)
 
-import inspect
-import tempfile
-import types
-
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, DynamicCache, KimiLinearConfig
-from transformers.models.kimi_linear import modeling_kimi_linear as hf
+from transformers import DynamicCache
 
+from kimi_linear_hf import TOL, attention_weights, f64_oracle_module, tiny_checkpoint
 from waste.layers.kda import KDAConfig, KDAState, kda_chunked, kda_forward, kda_recurrent
 
 KDA_LAYERS = (0, 1, 2)
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-
-
-def f64_oracle_module() -> types.ModuleType:
-    """transformers' attention code with every hard-coded float32 upcast turned into float64.
-
-    The shipped code computes the recurrence, norms and softmax in float32 whatever the input dtype, so it cannot
-    check anything below ~1e-7; the same source with float64 in their place is a float64 oracle.
-    """
-    src = inspect.getsource(hf)
-    cut = src.index("\nclass KimiLinearTopkRouter")  # attention code only; the model classes need a real file
-    src = src[:cut]
-    assert src.count("torch.float32") >= 8 and src.count(".float()") >= 3
-    src = src.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
-    mod = types.ModuleType("transformers.models.kimi_linear._modeling_kimi_linear_f64")
-    mod.__package__ = "transformers.models.kimi_linear"
-    exec(compile(src, hf.__file__, "exec"), mod.__dict__)
-    return mod
-
-
-def tiny_config(**overrides) -> KimiLinearConfig:
-    kw = dict(
-        vocab_size=128, hidden_size=64, num_hidden_layers=4, intermediate_size=128, moe_intermediate_size=32,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
-                            "kda_layers": [1, 2, 3], "full_attn_layers": [4]},
-        num_experts=8, num_experts_per_token=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    kw.update(overrides)
-    return KimiLinearConfig(**kw)
 
 
 def randomize_(module: torch.nn.Module, seed: int) -> None:
@@ -72,18 +36,11 @@ def randomize_(module: torch.nn.Module, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = tiny_config()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
-    randomize_(model, seed=1)
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        ckpt = load_file(f"{d}/model.safetensors")
+    cfg, model, ckpt = tiny_checkpoint(randomize_, seed=1)
     f64 = f64_oracle_module()
     layers = {}
     for i in KDA_LAYERS:
-        pre = f"model.layers.{i}.self_attn."
-        w = {k[len(pre):]: v for k, v in ckpt.items() if k.startswith(pre)}
+        w = attention_weights(ckpt, i)
         ref32 = model.model.layers[i].self_attn
         ref64 = f64.KimiLinearDeltaAttention(cfg, i).double()
         ref64.load_state_dict(ref32.state_dict())

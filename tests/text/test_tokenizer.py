@@ -247,6 +247,20 @@ def test_stream_decoder_yields_complete_text(which, request):
     assert stream.flush() == tok.decode(emoji[:1])
 
 
+@pytest.mark.parametrize("which", ["hf_dir", "kimi_dir"])
+def test_token_bytes_spell_the_text(which, request):
+    """What OpenAI's logprobs report per token: the tokens' bytes join into the text's UTF-8, a multi-byte character
+    split across tokens included (where decoding one token alone gives U+FFFD); a control token is its text."""
+    tok = load_tokenizer(request.getfixturevalue(which))
+    text = "".join(MIXED) + "🙂中文 é"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    emoji = tok.encode("🙂")
+    first = tok.token_bytes(emoji[0])
+    assert len(emoji) > 1 and tok.decode(emoji[:1]) == "\ufffd" and first and "🙂".encode().startswith(first)
+    assert tok.token_bytes(tok.token_to_id("<|im_end|>")) == b"<|im_end|>"
+
+
 # refusing what cannot be reproduced ----------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from ..errors import WasteError
-from .adapters import Adapter, _first, sigmoid_moe
+from .adapter_base import Adapter, _first, sigmoid_moe
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -78,13 +78,5 @@ class DeepseekV3Adapter(Adapter):
         cfg["mtp_layers"] = _first(hf, "num_nextn_predict_layers", "num_mtp_layers", default=0)
         return cfg
 
-    def trunk_names(self):
-        names = self._edges()
-        c = self.config
-        for i, l in enumerate(c["layers"]):
-            p = f"model.layers.{i}"
-            a = f"{p}.self_attn"
-            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-            names += self._mla_names(a)
-            names += self._sigmoid_mlp_names(p, l)
-        return names
+    def layer_names(self, i, layer, p):
+        return self._mla_names(f"{p}.self_attn") + self._sigmoid_mlp_names(p, layer)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from ..errors import WasteError
-from .adapters import Adapter, _first, sigmoid_moe
+from .adapter_base import Adapter, _first, sigmoid_moe
 
 _INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
             "index_kpool_compress_ape", "index_kpool_compress_gate")
@@ -154,19 +154,13 @@ class Glm5NextAdapter(Adapter):
                                  hf.get("routed_scaling_factor", 2.5), n_shared, hf.get("n_group"), hf.get("topk_group"))
         return cfg
 
-    def trunk_names(self):
-        names = self._edges()
-        c = self.config
-        for i, l in enumerate(c["layers"]):
-            p = f"model.layers.{i}"
-            a = f"{p}.self_attn"
-            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-            names += [f"{p}.hc_{s}_{x}" for s in ("attn", "ffn") for x in ("fn", "base", "scale")]
-            if l["attn"] == "kda":
-                names += self._kda_names(a)
-            else:
-                names += self._mla_names(a)
-                if c["dsa"]["indexer_types"][i] == "full":
-                    names += [f"{a}.indexer.{x}" for x in _INDEXER]
-            names += self._sigmoid_mlp_names(p, l)
-        return names
+    def layer_names(self, i, layer, p):
+        a = f"{p}.self_attn"
+        names = [f"{p}.hc_{s}_{x}" for s in ("attn", "ffn") for x in ("fn", "base", "scale")]
+        if layer["attn"] == "kda":
+            names += self._kda_names(a)
+        else:
+            names += self._mla_names(a)
+            if self.config["dsa"]["indexer_types"][i] == "full":
+                names += [f"{a}.indexer.{x}" for x in _INDEXER]
+        return names + self._sigmoid_mlp_names(p, layer)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 
 from ..errors import WasteError
-from .adapters import KimiLinearAdapter, _first, sigmoid_moe
+from .adapter_base import _first, sigmoid_moe
+from .adapter_kimi_linear import KimiLinearAdapter
 
 _ALIASES = [
     (re.compile(r"^language_model\."), ""),

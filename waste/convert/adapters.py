@@ -9,151 +9,11 @@ from __future__ import annotations
 import re
 
 from ..errors import WasteError
-
-EXPERT_MATRICES = ("gate", "up", "down")
-
-
-def _first(cfg: dict, *keys, default=None):
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return default
-
-
-def sigmoid_moe(n_exp: int, top_k: int, inter: int | None, norm_topk_prob, scaling, n_shared: int, n_group,
-                topk_group) -> dict:
-    """The manifest's `moe` entry for a sigmoid router with a correction bias and grouped top-k (Kimi-Linear,
-    DeepSeek-V3, GLM-5.3): each family reads its own config keys and defaults, the entry is the same."""
-    return {"num_experts": n_exp, "top_k": top_k, "intermediate_size": inter, "scoring": "sigmoid",
-            "norm_topk_prob": bool(norm_topk_prob), "routed_scaling_factor": float(scaling),
-            "num_shared_experts": n_shared, "shared_intermediate_size": (inter or 0) * n_shared,
-            "n_group": n_group or 1, "topk_group": topk_group or 1, "correction_bias": True}
-
-
-def _eos_list(cfg: dict) -> list[int]:
-    eos = cfg.get("eos_token_id")
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
-
-def _rope_theta(cfg: dict) -> float:
-    rp = cfg.get("rope_parameters") or {}
-    return float(_first(cfg, "rope_theta", default=rp.get("rope_theta", 10000.0)))
-
-
-def shape_ok(got: list[int], want) -> bool:
-    """A tensor's shape against expected_shapes' entry (a shape, or ("numel", n) / ("numel>=", n))."""
-    if isinstance(want, tuple) and want and want[0] in ("numel", "numel>="):
-        n = 1
-        for s in got:
-            n *= s
-        return n == want[1] if want[0] == "numel" else (n >= want[1] and len(got) == 1)
-    return list(got) == list(want)
-
-
-def shape_text(want) -> str:
-    if isinstance(want, tuple) and want and want[0] in ("numel", "numel>="):
-        return f"{'at least ' if want[0] == 'numel>=' else ''}{want[1]} values"
-    return str(list(want))
-
-
-class Adapter:
-    family = ""
-    # checkpoint expert tensor name -> (layer, expert, matrix)
-    expert_re: re.Pattern
-    expert_names: dict[str, str]
-    keep_f32: tuple[str, ...] = ()   # trunk names (suffixes) stored in float32 whatever --trunk says
-
-    def __init__(self, hf: dict):
-        self.hf = hf
-        self.config = self.normalise(hf)
-
-    def normalise(self, hf: dict) -> dict:
-        raise NotImplementedError
-
-    def trunk_names(self) -> list[str]:
-        """Checkpoint names of every non-expert tensor the engine needs."""
-        raise NotImplementedError
-
-    # -- shared ------------------------------------------------------------------------------
-    def _base(self, hf: dict, layers: list[dict]) -> dict:
-        return {
-            "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"], "num_layers": hf["num_hidden_layers"],
-            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6), "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "intermediate_size": hf.get("intermediate_size"), "bos_token_id": hf.get("bos_token_id"),
-            "eos_token_ids": _eos_list(hf), "max_position_embeddings": _first(hf, "max_position_embeddings", "model_max_length"),
-            "layers": layers,
-        }
-
-    def moe_layers(self) -> list[int]:
-        return [i for i, l in enumerate(self.config["layers"]) if l["mlp"] == "moe"]
-
-    def expected_expert_names(self) -> list[str]:
-        n = self.config["moe"]["num_experts"]
-        inv = {v: k for k, v in self.expert_names.items()}
-        return [self.expert_fmt.format(layer=i, expert=e, name=inv[m])
-                for i in self.moe_layers() for e in range(n) for m in EXPERT_MATRICES]
-
-    def classify_expert(self, name: str):
-        m = self.expert_re.fullmatch(name)
-        if not m:
-            return None
-        return int(m["layer"]), int(m["expert"]), self.expert_names[m["name"]]
-
-    def canonical(self, name: str) -> str:
-        """The spelling this adapter expects for a checkpoint name that releases write more than one way."""
-        return name
-
-    def dropped(self, name: str) -> str | None:
-        """Why a checkpoint tensor is deliberately left out (DeepSeek's MTP layers), or None: it is converted."""
-        return None
-
-    def vision_target(self, name: str) -> str | None:
-        """The vision file's name for a tensor of the vision tower, or None: not the tower's (docs/FORMAT.md)."""
-        return None
-
-    def trunk_target(self, name: str) -> str:
-        return name.removeprefix("model.")
-
-    def expected_shapes(self) -> dict:
-        """Trunk tensor name -> the shape config.json implies, checked before anything is written (families
-        that list them; the others check names, and the experts' shapes)."""
-        return {}
-
-    def is_f32(self, trunk_name: str, ndim: int) -> bool:
-        return ndim == 1 or trunk_name.endswith(self.keep_f32)
-
-    def _kda_names(self, a: str) -> list[str]:
-        """A KDA layer's tensors under the attention prefix `a` (Kimi-Linear, GLM-5.3)."""
-        return ([f"{a}.{x}_proj.weight" for x in "qkvo"] + [f"{a}.{x}_conv1d.weight" for x in "qkv"]
-                + [f"{a}.{x}.weight" for x in ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm")]
-                + [f"{a}.A_log", f"{a}.dt_bias"])
-
-    def _mla_names(self, a: str) -> list[str]:
-        """An MLA layer's tensors under `a`: q-LoRA or a plain q projection, then the latent KV path."""
-        q = (["q_a_proj", "q_a_layernorm", "q_b_proj"] if self.config["mla"]["q_lora_rank"] else ["q_proj"])
-        return [f"{a}.{x}.weight" for x in q + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]]
-
-    def _dense_mlp(self, p: str) -> list[str]:
-        return [f"{p}.mlp.{m}_proj.weight" for m in EXPERT_MATRICES]
-
-    def _sigmoid_mlp_names(self, p: str, layer: dict, block: str = "mlp") -> list[str]:
-        """Layer p's MLP trunk tensors under a sigmoid router with a correction bias: the router and the shared
-        experts of a MoE layer under `block`, or a dense MLP."""
-        if layer["mlp"] != "moe":
-            return self._dense_mlp(p)
-        m = f"{p}.{block}"
-        names = [f"{m}.gate.weight", f"{m}.gate.e_score_correction_bias"]
-        if self.config["moe"]["num_shared_experts"]:
-            names += [f"{m}.shared_experts.{x}_proj.weight" for x in EXPERT_MATRICES]
-        return names
-
-    def _edges(self) -> list[str]:
-        names = ["model.embed_tokens.weight", "model.norm.weight"]
-        if not self.config["tie_word_embeddings"]:
-            names.append("lm_head.weight")
-        return names
+from .adapter_base import Adapter, _first, _rope_theta
+from .adapter_deepseek import DeepseekV3Adapter
+from .adapter_glm5 import Glm5NextAdapter
+from .adapter_kimi_k3 import KimiK3Adapter, is_k3
+from .adapter_kimi_linear import KimiLinearAdapter
 
 
 class Qwen3MoeAdapter(Adapter):
@@ -185,93 +45,41 @@ class Qwen3MoeAdapter(Adapter):
                       "num_shared_experts": 0, "n_group": 1, "topk_group": 1, "correction_bias": False}
         return cfg
 
-    def trunk_names(self):
-        names = self._edges()
-        for i, l in enumerate(self.config["layers"]):
-            p = f"model.layers.{i}"
-            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-            names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
-            if self.config["gqa"]["bias"]:
-                names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
-            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
-            names += [f"{p}.mlp.gate.weight"] if l["mlp"] == "moe" else self._dense_mlp(p)
-        return names
+    def layer_names(self, i, layer, p):
+        names = [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
+        if self.config["gqa"]["bias"]:
+            names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
+        names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+        return names + ([f"{p}.mlp.gate.weight"] if layer["mlp"] == "moe" else self._dense_mlp(p))
 
-
-class KimiLinearAdapter(Adapter):
-    family = "kimi_linear"
-    expert_re = re.compile(r"model\.layers\.(?P<layer>\d+)\.block_sparse_moe\.experts\.(?P<expert>\d+)\.(?P<name>w1|w2|w3)\.weight")
-    expert_fmt = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}.weight"
-    expert_names = {"w1": "gate", "w3": "up", "w2": "down"}
-    keep_f32 = ("mlp.gate.weight", "A_log", "dt_bias", "e_score_correction_bias")
-
-    _dense_alias = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)")
-
-    def canonical(self, name):
-        # transformers' save_pretrained writes the dense layer's MLP under block_sparse_moe too
-        return self._dense_alias.sub(r"\1.mlp.\2", name)
-
-    def trunk_target(self, name):
-        return name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
-
-    def normalise(self, hf):
-        n = hf["num_hidden_layers"]
-        lac = hf.get("linear_attn_config") or {}
-        if hf.get("layer_types"):
-            kinds = ["kda" if t == "linear_attention" else "mla" for t in hf["layer_types"]]
-        else:  # the release's lists are 1-indexed (architectures.md §1.6)
-            kda = set(lac.get("kda_layers") or [])
-            kinds = ["kda" if (i + 1) in kda else "mla" for i in range(n)]
-        if hf.get("mlp_layer_types"):
-            mlps = ["moe" if t == "sparse" else "dense" for t in hf["mlp_layer_types"]]
-        else:
-            fk = hf.get("first_k_dense_replace", 0)
-            mlps = ["dense" if i < fk else "moe" for i in range(n)]
-        cfg = self._base(hf, [{"attn": a, "mlp": m} for a, m in zip(kinds, mlps)])
-        heads = hf["num_attention_heads"]
-        cfg["mla"] = {"num_heads": heads, "q_lora_rank": hf.get("q_lora_rank"), "kv_lora_rank": hf["kv_lora_rank"],
-                      "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
-                      "v_head_dim": hf["v_head_dim"], "rope": None,
-                      "norm_eps": 1e-6}   # transformers' kv_a_layernorm keeps RMSNorm's default eps
-        cfg["kda"] = {"num_heads": _first(lac, "num_heads", default=hf.get("linear_num_heads")),
-                      "head_dim": _first(lac, "head_dim", default=hf.get("linear_head_dim")),
-                      "conv_kernel": _first(lac, "short_conv_kernel_size", default=hf.get("linear_conv_kernel_dim", 4))}
-        n_exp = _first(hf, "num_experts", "num_local_experts")
-        n_shared = _first(hf, "num_shared_experts", "n_shared_experts", default=0)
-        act = hf.get("moe_router_activation_func", "sigmoid")
-        if act != "sigmoid":
-            raise WasteError(f"kimi_linear with moe_router_activation_func={act!r} is not supported (only sigmoid)")
-        cfg["moe"] = sigmoid_moe(n_exp, _first(hf, "num_experts_per_token", "num_experts_per_tok"),
-                                 hf["moe_intermediate_size"],
-                                 _first(hf, "moe_renormalize", "norm_topk_prob", default=True),
-                                 hf.get("routed_scaling_factor", 1.0), n_shared,
-                                 _first(hf, "num_expert_group", "n_group", default=1), _first(hf, "topk_group", default=1))
-        return cfg
-
-    def trunk_names(self):
-        names = self._edges()
+    def expected_shapes(self) -> dict:
+        """Every trunk tensor's shape from config.json (a matrix of the wrong shape is refused by name)."""
         c = self.config
-        for i, l in enumerate(c["layers"]):
-            p = f"model.layers.{i}"
-            a = f"{p}.self_attn"
-            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-            names += self._kda_names(a) if l["attn"] == "kda" else self._mla_names(a)
-            names += self._sigmoid_mlp_names(p, l, "block_sparse_moe")
-        return names
+        D, V, g = c["hidden_size"], c["vocab_size"], c["gqa"]
+        H, KV, d = g["num_heads"], g["num_kv_heads"], g["head_dim"]
+        out = {"model.embed_tokens.weight": [V, D], "model.norm.weight": [D]}
+        if not c["tie_word_embeddings"]:
+            out["lm_head.weight"] = [V, D]
+        for i, layer in enumerate(c["layers"]):
+            p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+            out.update({f"{p}.input_layernorm.weight": [D], f"{p}.post_attention_layernorm.weight": [D],
+                        f"{a}.q_proj.weight": [H * d, D], f"{a}.k_proj.weight": [KV * d, D],
+                        f"{a}.v_proj.weight": [KV * d, D], f"{a}.o_proj.weight": [D, H * d],
+                        f"{a}.q_norm.weight": [d], f"{a}.k_norm.weight": [d]})
+            if g["bias"]:
+                out.update({f"{a}.q_proj.bias": [H * d], f"{a}.k_proj.bias": [KV * d], f"{a}.v_proj.bias": [KV * d]})
+            if layer["mlp"] == "moe":
+                out[f"{p}.mlp.gate.weight"] = [c["moe"]["num_experts"], D]
+            else:
+                inter = c["intermediate_size"]
+                out.update({f"{p}.mlp.gate_proj.weight": [inter, D], f"{p}.mlp.up_proj.weight": [inter, D],
+                            f"{p}.mlp.down_proj.weight": [D, inter]})
+        return out
 
 
 ADAPTERS = {a.family: a for a in (Qwen3MoeAdapter, KimiLinearAdapter)}
-
-from .adapter_glm5 import Glm5NextAdapter            # noqa: E402  (they subclass Adapter above)
-from .adapter_deepseek import DeepseekV3Adapter      # noqa: E402
-
 ADAPTERS.update({"glm5_next": Glm5NextAdapter, "glm5_next_text": Glm5NextAdapter,
-                 "deepseek_v3": DeepseekV3Adapter, "kimi_k2": DeepseekV3Adapter})
-
-
-from .adapter_kimi_k3 import KimiK3Adapter, is_k3   # noqa: E402
-
-ADAPTERS["kimi_k3"] = KimiK3Adapter
+                 "deepseek_v3": DeepseekV3Adapter, "kimi_k2": DeepseekV3Adapter, "kimi_k3": KimiK3Adapter})
 
 
 def adapter_for(hf: dict) -> Adapter:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .. import __version__
+from ..version import __version__
 from ..container.bank import BankWriter, RecordLayout
 from ..container.manifest import FORMAT_NAME, FORMAT_VERSION, TRUNK_FILE, bank_file, file_table, write_manifest
 from ..container.trunk import TrunkWriter
@@ -19,7 +19,8 @@ from ..errors import WasteError
 from ..quant.formats import DEFAULT_EXPERTS, DEFAULT_TRUNK, get_format
 from ..quant.linear import part_name, quantizable
 from ..quant.parallel import ParallelQuantizer
-from .adapters import EXPERT_MATRICES, Adapter, adapter_for, shape_ok, shape_text
+from .adapter_base import EXPERT_MATRICES, Adapter, shape_ok, shape_text
+from .adapters import adapter_for
 from .aside import VisionWriter, drop_notes
 from .source import Checkpoint
 from .text_files import plan_text

@@ -34,13 +34,9 @@ class Estimate:
     trunk_entry: dict
 
     def dtype(self, name: str) -> torch.dtype:
-        from ..engine import AUTO_F32_BYTES, DTYPES
+        from ..runtime.dtype import pick_dtype
 
-        if name == "auto":
-            return torch.float32 if self.trunk_stored + self.bank_bytes < AUTO_F32_BYTES else torch.bfloat16
-        if name not in DTYPES:
-            raise WasteError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
-        return DTYPES[name]
+        return pick_dtype(name, self.trunk_stored + self.bank_bytes)
 
     def plan(self, dtype: str = "auto", context: int = 4096, ram: int | None = None,
              budget: int | None = None) -> MemoryPlan:

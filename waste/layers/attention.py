@@ -5,11 +5,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..quant.linear import linear
 from .norm import rms_norm
 from .rope import apply_rope, apply_rope_table, rope_cos_sin
 from .rows import Rows
+
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,14 @@ def sdpa_attend(q, k, v, start: int) -> torch.Tensor:
         else:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(start)
     # a leading batch dimension: without it torch takes its unfused reference path (5x slower here)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    kw = dict(attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    if q.device.type == "cuda":
+        # not cuDNN's: it plans anew for every key length, ~10 ms a call in decode (docs/LEARNED.md §10)
+        with sdpa_kernel(_CUDA_SDPA):
+            o = F.scaled_dot_product_attention(*args, **kw)
+    else:
+        o = F.scaled_dot_product_attention(*args, **kw)
     return o[0].transpose(0, 1)
 
 

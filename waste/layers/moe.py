@@ -118,6 +118,7 @@ def _gather(x: torch.Tensor, slots: torch.Tensor, bank: Bank, mv) -> torch.Tenso
 
 
 @register("float", "cpu")
+@register("float", "cuda")              # plain torch ops: the same kernel on a GPU, its views in GPU memory
 def gather_float(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
     def mv(m, flat, v):
         w = bank.parts[m][""][flat]          # stored bf16 and computed in float32: widened after the gather
@@ -126,6 +127,7 @@ def gather_float(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tens
 
 
 @register("q8", "cpu")
+@register("q8", "cuda")
 def gather_q8(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
     """The pairs' int8 codes gathered and widened to float32, multiplied, the row scales applied to the output:
     the q8 format's own float32 arithmetic (docs/LEARNED.md §5b), one bmm per projection."""

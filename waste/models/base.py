@@ -24,6 +24,17 @@ from ..quant.linear import linear
 from ..timing import NO_TIMER
 
 
+def _on_device(t, dtype, device: torch.device):
+    """A trunk tensor on the model's device. A quantized matrix keeps its stored format on the CPU (its kernels are
+    torch's CPU int8 / int4 ones); on another device it is widened to the compute dtype until that device has
+    kernels of its own (layers/moe.py's registry is where they go)."""
+    if device.type == "cpu":
+        return t
+    if not isinstance(t, torch.Tensor):
+        t = t.dequantize(dtype)
+    return t.to(device)
+
+
 class DecoderModel:
     def __init__(self, config: dict, trunk: dict[str, torch.Tensor], experts, dtype: torch.dtype,
                  f32_names: set[str] = frozenset(), capacity: int | None = None, device: str = "cpu"):
@@ -31,7 +42,7 @@ class DecoderModel:
         # the context every sequence's state is allocated for, once (static state; grows only past it)
         self.capacity = capacity or config.get("max_position_embeddings") or 4096
         self.eps = config["rms_norm_eps"]
-        w = {k: (v if k in f32_names else v.to(dtype)) for k, v in trunk.items()}
+        w = {k: _on_device(v if k in f32_names else v.to(dtype), dtype, self.device) for k, v in trunk.items()}
         self.embed = w["embed_tokens.weight"]
         self.norm = w["norm.weight"]
         self.head = self.embed if config["tie_word_embeddings"] else w["lm_head.weight"]
@@ -42,7 +53,9 @@ class DecoderModel:
         self.moe = config.get("moe") or {}
         self.top_k = self.moe.get("top_k")
         self.route_trace: list | None = None   # set to [] to record (layer, expert ids) per forward
+        self.router = None                      # a stand-in for route (i, x) -> (weights, ids): waste bench --routing
         self.predict_trace: list | None = None  # set to [] to record next-layer prefetch's (layer, predicted ids)
+        self.predictor = None                   # a stand-in for predict_route: a replayed trace's predictions
         self.timer = NO_TIMER                   # waste bench --profile sets a timing.Timer
         self.swiglu_limit = config.get("swiglu_limit")   # clamped SwiGLU in every MLP (None: plain)
         self.dense = [self.cfg["layers"][i]["mlp"] == "dense" for i in range(len(self.layers))]
@@ -140,8 +153,8 @@ class DecoderModel:
 
     def predict_route(self, j: int, x: torch.Tensor):
         """The router prefetch predicts with: the family's own, even where a benchmark stands in for `route`
-        (a replayed trace stands in for this one too, with the predictions recorded beside it)."""
-        return type(self).route(self, j, x)
+        (`predictor` stands in for this one: a replayed trace's predictions, recorded beside its routing)."""
+        return self.route(j, x) if self.predictor is None else self.predictor(j, x)
 
     def mlp_many(self, i: int, xs: list[torch.Tensor], hs: list | None = None) -> list[torch.Tensor]:
         """The MLP of layer i for each sequence's rows. A MoE layer asks the expert store once for the union of all
@@ -153,7 +166,8 @@ class DecoderModel:
             with timer.section("trunk matvec"):
                 return [self.ffn(x, lw, "mlp.") for x in xs]
         with timer.section("router"):
-            routed = [self.route(i, x) for x in xs]
+            route = self.route if self.router is None else self.router
+            routed = [route(i, x) for x in xs]
         if self.route_trace is not None:
             self.route_trace.extend((i, idx.clone()) for _, idx in routed)
         with timer.section("expert compute"):
@@ -176,6 +190,8 @@ class DecoderModel:
         alone or batched."""
         hs, positions, scratch = [], [], []
         for ids, _, start in items:
+            if ids.device != self.device:
+                ids = ids.to(self.device)
             hs.append(self.stream_in(F.embedding(ids, self.embed)))
             positions.append(torch.arange(start, start + ids.shape[0], device=self.device))
             scratch.append({"start": start})
@@ -198,7 +214,8 @@ class DecoderModel:
             if last_only:
                 x = x[-1:]
             with self.timer.section("trunk matvec"):
-                out.append(linear(rms_norm(x, self.norm, self.eps), self.head).float())
+                logits = linear(rms_norm(x, self.norm, self.eps), self.head).float()
+            out.append(logits if logits.device.type == "cpu" else logits.cpu())     # sampling runs on the host
         return out
 
     def forward(self, ids: torch.Tensor, state: list, start: int, last_only: bool = False) -> torch.Tensor:

@@ -8,8 +8,6 @@ to print, per layer and query, which pools won and on what scores.
 """
 from __future__ import annotations
 
-import os
-import sys
 
 from ..layers.dsa import DSACache, DSAConfig, dsa_forward, trace_lines
 from ..layers.kda import KDAConfig, KDAState, kda_forward
@@ -34,7 +32,7 @@ class Glm5Next(DecoderModel):
         self.attn_w = [{k[len("self_attn."):]: v for k, v in lw.items() if k.startswith("self_attn.")}
                        for lw in self.layers]
         self.dsa_trace: list | None = None      # set to [] to record (layer, start, Selection) per DSA layer call
-        self.dump_dsa = os.environ.get("WASTE_DUMP_DSA", "0") not in ("", "0")
+        self.dsa_dump = None      # callable(lines): each indexer selection in words (Engine.load(dump_dsa=True))
 
     def new_layer_state(self, i):
         if self.kinds[i] == "kda":
@@ -45,7 +43,7 @@ class Glm5Next(DecoderModel):
     def attend(self, i, x, state, positions, scratch):
         if self.kinds[i] == "kda":
             return kda_forward(x, self.attn_w[i], self.kda_cfg, state)
-        tracing = self.dsa_trace is not None or self.dump_dsa
+        tracing = self.dsa_trace is not None or self.dsa_dump is not None
         start = len(state)
         # a layer without its own indexer reuses the selection of the last one with it, within this step
         out, state, sel = dsa_forward(x, self.attn_w[i], self.mla_cfg, self.dsa_cfg, state, positions,
@@ -54,8 +52,8 @@ class Glm5Next(DecoderModel):
             scratch["dsa"] = sel
         if self.dsa_trace is not None:
             self.dsa_trace.append((i, start, sel))
-        if self.dump_dsa and self.indexer[i] == "full":
-            print("\n".join(trace_lines(i, start, sel, self.dsa_cfg.kpool)), file=sys.stderr, flush=True)
+        if self.dsa_dump is not None and self.indexer[i] == "full":
+            self.dsa_dump(trace_lines(i, start, sel, self.dsa_cfg.kpool))
         return out, state
 
     # -- mHC: hc_mult residual streams instead of one --------------------------------------------------

@@ -1,4 +1,4 @@
-"""Storage formats for weight matrices.
+"""The registry of storage formats for weight matrices (base.py is the interface).
 
 A format turns a float matrix into named parts (raw tensors) and back. The container stores parts;
 the runtime multiplies through the format's own `linear` (a packed kernel for quantized formats). Quantized
@@ -8,65 +8,15 @@ same record; docs/FORMAT.md gives their byte layouts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-
-class Format:
-    name: str = ""
-    bits: float = 0.0
-    kernel_dtype: torch.dtype | None = None   # the activation dtype linear() computes in whatever x's (None: x's)
-    kind: str = ""                            # grouped-kernel family (quant/grouped.py); "" means the name
-
-    def pack(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def unpack(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
-
-    def part_specs(self, shape: tuple[int, ...]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """suffix -> (dtype, shape) of the parts pack() makes for a matrix of this shape, without packing one."""
-        return {k: (v.dtype, tuple(v.shape)) for k, v in self.pack(torch.zeros(shape)).items()}
-
-    def supports(self, shape: tuple[int, ...]) -> bool:
-        """Can pack() take a matrix of this shape? (The trunk keeps the others in bf16.)"""
-        return True
-
-    def prepare(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        """Parts ready for linear(), e.g. repacked for this machine's kernel: a pure function of the stored parts.
-        linear() takes parts as this returns them; the trunk prepares at load, the expert cache as a record fills
-        its slot (runtime/experts.py prepare_record), never per call."""
-        return parts
-
-    def needs_prepare(self) -> bool:
-        """Does prepare() change anything on this machine?"""
-        return False
-
-    def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        """x [T, in] @ W.T for the matrix these parts hold; the result has x's dtype. Formats with a faster
-        kernel than unpack-then-F.linear override this."""
-        return F.linear(x, self.unpack(parts, shape, x.dtype))
-
-
-class Plain(Format):
-    """One part holding the matrix in a float dtype, row-major."""
-
-    def __init__(self, name: str, dtype: torch.dtype):
-        self.name, self.dtype = name, dtype
-        self.bits = torch.finfo(dtype).bits
-        self.kind = "float"
-
-    def pack(self, w):
-        return {"": w.to(self.dtype).contiguous()}
-
-    def part_specs(self, shape):
-        return {"": (self.dtype, tuple(shape))}
-
-    def unpack(self, parts, shape, dtype):
-        return parts[""].view(shape).to(dtype)
-
+from ..errors import WasteError
+from .base import Format, Plain
+from .intq import Q4, Q8
+from .lowbit import MXFP4, VQ3
 
 FORMATS: dict[str, Format] = {
-    f.name: f for f in (Plain("bf16", torch.bfloat16), Plain("f16", torch.float16), Plain("f32", torch.float32))
+    f.name: f for f in (Plain("bf16", torch.bfloat16), Plain("f16", torch.float16), Plain("f32", torch.float32),
+                        Q8(), Q4("q4", 64), *(Q4(f"q4g{g}", g) for g in (32, 64, 128, 256)), VQ3(), MXFP4())
 }
 
 
@@ -75,19 +25,7 @@ DEFAULT_EXPERTS = "q4"
 DEFAULT_TRUNK = "q8"
 
 
-def _register_quantized() -> None:
-    from . import intq, lowbit
-
-    for f in (intq.Q8(), intq.Q4("q4", 64), *(intq.Q4(f"q4g{g}", g) for g in (32, 64, 128, 256)),
-              lowbit.VQ3(), lowbit.MXFP4()):
-        FORMATS[f.name] = f
-
-
 def get_format(name: str) -> Format:
-    from ..errors import WasteError
-
-    if len(FORMATS) == 3:
-        _register_quantized()
     if name not in FORMATS:
         raise WasteError(f"unknown weight format {name!r}; known formats: {', '.join(sorted(FORMATS))}")
     return FORMATS[name]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import int4pack
-from .formats import Format
+from .base import Format
 from .q4fit import fit_groups
 
 Q4_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
@@ -25,7 +25,7 @@ Q4_REFITS = 3
 
 
 class Q8(Format):
-    name, bits = "q8", 8.0
+    name, bits, kind = "q8", 8.0, "q8"
 
     def supports(self, shape) -> bool:
         return len(shape) == 2

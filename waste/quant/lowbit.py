@@ -14,21 +14,19 @@ mxfp4: parts (names as compressed-tensors' mxfp4-pack-quantized release spells t
          blocks uint8 [N, K/2]    E2M1 codes, element 2j in the low nibble, 2j+1 in the high one
          scales uint8 [N, K/32]   E8M0 exponents: the group's factor is 2^(e - 127)
        W[n, k] = E2M1[nibble] * 2^(scales[n, k // 32] - 127), E2M1 = 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives.
-numba is imported on first use only; OPENBLAS_NUM_THREADS=1 keeps numpy's spinning BLAS threads from
-starving numba's (shared/reference/machine.md §C).
+numba is imported on first use only. numpy's spinning BLAS threads starve numba's unless OPENBLAS_NUM_THREADS=1
+(shared/reference/machine.md §C): the CLI sets it for its process before numpy loads (cli.main).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .formats import Format
+from .base import Format
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 VQ_DIM, VQ_CODES, VQ_STAGES = 8, 256, 3
 VQ_TRAIN_VECTORS = 1 << 15

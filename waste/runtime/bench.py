@@ -52,9 +52,9 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
                 s.predicted_needed)
 
     if routing == "uniform" and getattr(model, "moe", None):
-        model.route = _uniform_router(model)          # an instance attribute over the method, removed below
+        model.router = _uniform_router(model)         # taken away below
     elif routing.startswith("trace:") and getattr(model, "moe", None):
-        model.route, model.predict_route = trace.replay(model, trace.load(routing[len("trace:"):]))
+        model.router, model.predictor = trace.replay(model, trace.load(routing[len("trace:"):]))
     recorder = trace.Recorder(model) if record_trace else None
     try:
         c0 = counters()
@@ -88,8 +88,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
     finally:
         if recorder is not None:
             model.route_trace = model.predict_trace = None
-        model.__dict__.pop("route", None)
-        model.__dict__.pop("predict_route", None)
+        model.router = model.predictor = None
         model.timer = NO_TIMER
     banks = list(engine.container.banks.values())
     bw, direct = measure_direct_bandwidth(max(banks, key=lambda b: b.num_experts * b.record_bytes), bw_seconds) \

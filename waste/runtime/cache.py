@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -36,9 +35,11 @@ PRECISION_DECAY = 0.05         # weight of the newest prediction in that average
 
 class ExpertCache:
     def __init__(self, container: Container, budget_bytes: int | None, dtype: torch.dtype, threads: int = 4,
-                 preload: bool | None = None, verify: bool = True, direct: bool = True,
-                 half_life: float | None = None, prefetch: bool = True):
+                 preload: bool = True, verify: bool = True, direct: bool = True,
+                 half_life: float | None = None, device: str = "cpu",
+                 prefetch: bool = True):
         ex, cfg = container.manifest["experts"], container.config
+        self.device = torch.device(device)
         self.banks = container.banks
         self.record_bytes = ex["record_bytes"]
         self.format = ex["format"]
@@ -60,6 +61,11 @@ class ExpertCache:
                              f"({self.record_bytes} bytes): raise --budget")
         self.budget_bytes = self.n_slots * self.record_bytes
         self._mm, self.slab = aligned_buffer(self.n_slots * self.record_bytes)
+        # on a GPU: a mirror of the slab in its memory, slot for slot; a slot read from disk is copied up before
+        # a layer uses it (the first step of the CUDA backend: one tier, as large as the host budget)
+        self.dev_slab = (torch.empty(self.n_slots * self.record_bytes, dtype=torch.uint8, device=self.device)
+                         if self.device.type != "cpu" else None)
+        self._dirty: set[int] = set()
         self.slot_of: dict[tuple[int, int], int] = {}
         self.key_of: list[tuple[int, int] | None] = [None] * self.n_slots
         self.free = list(range(self.n_slots - 1, -1, -1))
@@ -90,8 +96,6 @@ class ExpertCache:
         self.precision = 1.0
         self._stop = threading.Event()
         self.fill_thread = None
-        if preload is None:
-            preload = os.environ.get("WASTE_PRELOAD", "1") != "0"
         self.fits = self.n_slots >= self.n_records
         self.wants_prefetch = prefetch and not self.fits     # the whole bank fits: the fill reads it all anyway
         if preload and self.fits and self.n_records:
@@ -130,9 +134,21 @@ class ExpertCache:
 
     def _read(self, key, slot) -> float:
         dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
-        if self.repack:         # this torch's kernel wants another layout than the stored one (q4 off AVX-512)
+        if self.repack and self.dev_slab is None:   # this torch's CPU kernel wants another layout (q4 off AVX-512)
             prepare_record(self._slot_parts(slot), self.fmt, self.shapes)
+        if self.dev_slab is not None:
+            with self.lock:
+                self._dirty.add(slot)
         return dt
+
+    def _flush(self) -> None:
+        """Copy the slots read since the last layer up to the device's mirror."""
+        with self.lock:
+            dirty, self._dirty = self._dirty, set()
+        if dirty:
+            rows, dev = self.slab.view(self.n_slots, self.record_bytes), self.dev_slab.view(self.n_slots, -1)
+            for s in sorted(dirty):
+                dev[s].copy_(rows[s])
 
     # -- background fill ---------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -163,8 +179,15 @@ class ExpertCache:
 
     # -- the store interface -----------------------------------------------------------------------
     def make_bank(self, device: torch.device | str = "cpu") -> Bank:
-        """The slab as [slots, ...] views per matrix part (layers/moe.py's Bank): what the grouped kernels read."""
-        rows = self.slab.view(max(self.n_slots, 1), self.record_bytes) if self.n_slots else None
+        """The slab as [slots, ...] views per matrix part (layers/moe.py's Bank): what the grouped kernels read;
+        on a GPU, views of its mirror."""
+        if torch.device(device).type != self.device.type:
+            raise ValueError(f"the expert store holds its slab for {self.device}, not {device}")
+        if self.dev_slab is not None and self.fmt.kind not in ("float", "q8"):
+            raise WasteError(f"--device {self.device.type}: experts stored as {self.format} have no GPU kernel yet "
+                             f"(bf16, f16, f32 and q8 do): convert with --experts bf16 or q8, or use --device cpu")
+        slab = self.slab if self.dev_slab is None else self.dev_slab
+        rows = slab.view(max(self.n_slots, 1), self.record_bytes) if self.n_slots else None
         parts: dict[str, dict[str, torch.Tensor]] = {m: {} for m in MATRICES}
         offsets = {}
         if rows is not None and self.layout is not None:
@@ -190,8 +213,8 @@ class ExpertCache:
         if self.damage is not None:
             raise self.damage
         # the union on the host, through numpy: the ids are needed there anyway (which records to read)
-        union = np.unique(np.concatenate([(i if i.device.type == "cpu" else i.cpu()).numpy().ravel()
-                                          for i in idxs])).tolist()
+        on_host = [i if i.device.type == "cpu" else i.cpu() for i in idxs]
+        union = np.unique(np.concatenate([i.numpy().ravel() for i in on_host])).tolist()
         pred = self._predicted.pop(layer, None)
         if pred is not None:
             st = self.stats
@@ -208,14 +231,21 @@ class ExpertCache:
                 self._ahead(*ahead, {(layer, e) for e in group})
                 ahead = None
             if not waits and len(group) == len(union):
+                if self.dev_slab is not None:
+                    self._flush()
                 m = self.layer_slots[layer]
-                yield [m[i] for i in idxs], True
+                yield self._to_device([m[i] for i in on_host]), True
                 continue
             for landed in self._landing(layer, group, waits):
+                if self.dev_slab is not None:
+                    self._flush()
                 lut = torch.full_like(self.slot_map[layer], -1)
                 lut[landed] = self.slot_map[layer, landed]
-                yield [lut[i] for i in idxs], False
+                yield self._to_device([lut[i] for i in on_host]), False
         self.policy.advance(self.step)
+
+    def _to_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+        return slots if self.device.type == "cpu" else [s.to(self.device) for s in slots]
 
     def _make_resident(self, layer: int, experts: list[int]) -> dict[int, Future]:
         """Assign slots to the misses and start their reads; returns the reads (and fill reads) still to land."""

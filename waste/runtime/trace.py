@@ -91,7 +91,7 @@ def scale_ids(ids: list[int], e_from: int, e_to: int, k: int) -> list[int]:
 
 
 def replay(model, trace: dict):
-    """(route, predict) stand-ins for model.route and model.predict_route: MoE layer m of the model replays layer
+    """(route, predict) stand-ins for model.router and model.predictor: MoE layer m of the model replays layer
     m mod (the trace's layers), token t replays token t mod (its tokens), ids scaled to the model's experts,
     equal weights. Each MoE layer counts the rows it has routed; a prediction reads the same token's row."""
     E, k = model.moe["num_experts"], model.top_k

@@ -188,7 +188,7 @@ class Scheduler:
         if piece or lps:
             self._post(job, Delta(piece, lps))
         if self.metrics is not None:
-            self.metrics.tokens(1)
+            self.metrics.token(job)
         if d.finish_reason is not None:
             self._end(job, d.finish_reason)
         else:

@@ -92,6 +92,14 @@ class Tokenizer:
         out = {k: getattr(self, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         return {k: v for k, v in out.items() if v is not None}
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's bytes (what OpenAI's logprobs report): a byte-level vocabulary's piece read through GPT-2's
+        byte table, else the token decoded alone as UTF-8."""
+        piece = self.id_to_token(token_id)
+        if piece is not None and piece not in self.added_tokens and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.decode([token_id]).encode()
+
     def control_tokens(self, template: str | None = None) -> frozenset[str]:
         """Tokens that caller text may never produce: the special ones, plus the non-special added
         tokens that a template writes as markup (Qwen's `<tool_call>`, `<think>`)."""
@@ -461,3 +469,4 @@ def _byte_chars() -> list[str]:
 
 
 _BYTE_CHARS = _byte_chars()
+_BYTE_OF = {c: b for b, c in enumerate(_BYTE_CHARS)}
