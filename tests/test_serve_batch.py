@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import waste
-from waste.layers.moe import routed_experts
+from waste.layers.moe import routed_groups
 from waste.engine import Decoding, Generation
 from waste.runtime.sampling import SamplingParams
 from waste.serve.scheduler import Done, Job, QueueFull, Scheduler, batch_limit
@@ -121,11 +121,8 @@ def test_scheduler_alone_or_batched_gives_the_same_tokens_and_logits(eng):
 
 def _routed(m, cache, layer, calls):
     """The routed experts of each call [(x, idx, weights)] through the store's residency and layers/moe.py."""
-    outs = None
-    for slots, complete in cache.resident(layer, [idx for _, idx, _ in calls]):
-        part = [routed_experts(x, s, w, m.bank, m.kernel, complete) for (x, _, w), s in zip(calls, slots)]
-        outs = part if outs is None else [a + b for a, b in zip(outs, part)]
-    return outs
+    return routed_groups([x for x, _, _ in calls], [w for _, _, w in calls],
+                         cache.resident(layer, [idx for _, idx, _ in calls]), m.bank, m.kernel)
 
 
 def test_one_read_serves_every_request_routed_to_an_expert(releases):

@@ -145,3 +145,171 @@ def test_bench_with_random_tokens_and_uniform_routing(releases):
         assert seen and all(len(set(row.tolist())) == m.top_k for _, idx in seen for row in idx)
         lookups = r["decode"]["hits"] + r["decode"]["misses"]
         assert lookups == 6 * m.top_k * len(eng.container.banks)
+
+
+def _groups_run(container, ids, n, wait_fill=False, **kw):
+    """run() with every residency call's groups counted: [(rows of the first sequence, groups yielded)]."""
+    with waste.load(container, dtype="float32", **kw) as eng:
+        if wait_fill:
+            eng.experts.wait_fill()
+        cache, calls = eng.experts, []
+        inner = cache.resident
+
+        def counted(layer, idxs, **kw):
+            calls.append([idxs[0].shape[0], 0])
+            for g in inner(layer, idxs, **kw):
+                calls[-1][1] += 1
+                yield g
+        cache.resident = counted
+        m, st = eng.model, eng.model.new_state()
+        logits = [m.forward(torch.tensor(ids), st, 0)]
+        pos = len(ids)
+        for _ in range(n):
+            logits.append(m.forward(logits[-1][-1:].argmax(-1), st, pos))
+            pos += 1
+        return torch.cat(logits), calls
+
+
+@pytest.mark.parametrize("experts", ["bf16", "q8", "q4"])
+def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_path, experts):
+    """Item 1 of issue 15: a cold cache with one reader thread yields each layer's experts in several groups (what
+    is resident, then each read as it lands) and the pairs are computed group by group; prefill and decode logits
+    are the same bits as with the whole bank resident before the first token (one group per call)."""
+    from waste.convert.convert import convert
+
+    _, src, c = releases["qwen3_moe"]
+    if experts != "bf16":
+        c = convert(src, tmp_path / f"{experts}.waste", experts=experts, trunk="bf16", progress=False)
+    ids = list(range(5, 29))
+    ref, ref_calls = _groups_run(c, ids, 8, wait_fill=True, preload=True)
+    assert all(g == 1 for _, g in ref_calls)
+    with waste.load(c, dtype="float32", budget="1G", preload=False) as probe:
+        ws = probe.plan.working_set_bytes
+    for budget in (ws, 3 * ws):
+        logits, calls = _groups_run(c, ids, 8, budget=budget, preload=False, threads=1)
+        assert torch.equal(logits, ref)
+        assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
+        assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
+
+
+def test_next_layer_prefetch_is_bit_identical_and_reports_precision_and_recall(releases):
+    """Item 2 of issue 15: with prefetch on, the next MoE layer's predicted experts are read ahead (counted apart:
+    prefetch bytes, precision, recall) and the logits are the same bits as with it off; a random-weight model's
+    next-layer prediction is far better than chance."""
+    c = releases["qwen3_moe"][2]
+    ids = list(range(5, 29))
+    with waste.load(c, dtype="float32", budget="1G", preload=False) as probe:
+        ws = probe.plan.working_set_bytes
+    out = {}
+    for prefetch in (False, True):
+        logits, _ = _groups_run(c, ids, 10, budget=3 * ws, preload=False, threads=2, prefetch=prefetch)
+        with waste.load(c, dtype="float32", budget=3 * ws, preload=False, prefetch=prefetch) as eng:
+            from waste.runtime.bench import bench
+            r = bench(eng, n=10, prompt_len=16, bw_seconds=0.05, feed="random")
+        out[prefetch] = logits, r
+    assert torch.equal(out[True][0], out[False][0])
+    off, on = out[False][1]["decode"], out[True][1]["decode"]
+    assert off["prefetch_bytes"] == 0 and off["prefetch_precision"] is None
+    assert on["prefetch_bytes"] > 0 and on["prefetch_bytes"] % out[True][1]["record_bytes"] == 0
+    assert on["bytes_read"] == on["misses"] * out[True][1]["record_bytes"]
+    assert 0 < on["prefetch_recall"] <= 1 and 0 < on["prefetch_precision"] <= 1
+    E, k = releases["qwen3_moe"][0].config.num_experts, releases["qwen3_moe"][0].config.num_experts_per_tok
+    assert on["prefetch_recall"] > k / E       # better than a random guess of k experts
+
+
+def test_prefetch_never_evicts_what_the_current_call_holds(releases):
+    """A prefetch on a full budget of a few records takes only slots the current call does not hold or read, and
+    leaves the next layer room for all of its predicted experts."""
+    with waste.load(releases["qwen3_moe"][2], dtype="float32", budget="1G", preload=False) as probe:
+        rec = probe.plan.record_bytes
+    with waste.load(releases["qwen3_moe"][2], dtype="float32", budget=8 * rec, preload=False, threads=1) as eng:
+        cache = eng.experts
+        l0, l1 = sorted(cache.banks)[:2]
+        for layer, e in ((l0, [[4, 5, 6]]), (l1, [[0, 1]])):      # warm some of l0, then a later call
+            for _ in cache.resident(layer, [torch.tensor(e)]):
+                pass
+        want = [1, 2, 5, 7]
+        for slots, _ in cache.resident(l0, [torch.tensor([want])], ahead=(l1, [2, 3])):
+            for e, s in zip(want, slots[0][0].tolist()):
+                if s >= 0:
+                    assert cache.key_of[s] == (l0, e)
+        assert all(cache.slot_map[l0, e] >= 0 for e in want)
+        for f in list(cache.loading.values()):
+            f.result()
+        # 8 slots full (5 warm, 3 misses): both predicted records evict one of the 4 slots the call does not hold
+        assert cache.stats.prefetch_reads == 2 and cache.stats.prefetch_evictions == 2
+        assert cache.slot_map[l1, 2] >= 0 and cache.slot_map[l1, 3] >= 0
+        assert all(cache.key_of[cache.slot_map[l0, e]] == (l0, e) for e in want)
+
+
+def test_routing_trace_recorded_then_replayed_scaled(releases, tmp_path):
+    """Item 3 of issue 15: --record-trace writes each token's experts per MoE layer as the router chose them (and
+    prefetch's predictions); --routing trace:FILE replays them, scaled to another expert count, and a bad file is
+    one clear error."""
+    from waste.runtime import trace
+    from waste.runtime.bench import bench
+
+    c = releases["qwen3_moe"][2]
+    path = tmp_path / "t.json"
+    with waste.load(c, dtype="float32", preload=False) as eng:
+        m = eng.model
+        r = bench(eng, n=5, prompt_len=8, bw_seconds=0.05, feed="random", record_trace=str(path))
+        t = trace.load(path)
+        E, k = m.moe["num_experts"], m.top_k
+        assert (t["num_experts"], t["top_k"], len(t["tokens"])) == (E, k, 8 + 5)
+        assert len(t["tokens"][0]) == len(eng.container.banks) and m.route_trace is None
+        # the recorded rows are the router's own choice on the same input
+        from waste.runtime.bench import BENCH_TEXT
+
+        seen = []
+        m.route_trace = seen
+        m.forward(torch.tensor(eng.tokenizer.encode(BENCH_TEXT)[:8]), m.new_state(), 0)
+        m.route_trace = None
+        for col, (layer, idx) in enumerate(seen):
+            assert idx.tolist() == [tok[col] for tok in t["tokens"][:8]]
+        # replayed on the same model: the same experts, per token and layer
+        seen = []
+        m.route_trace = seen
+        r2 = bench(eng, n=5, prompt_len=8, bw_seconds=0.05, feed="random", routing=f"trace:{path}")
+        m.route_trace = None
+        replayed = {}
+        for layer, idx in seen:
+            replayed.setdefault(layer, []).extend(idx.tolist())
+        for col, layer in enumerate(sorted(replayed)):
+            assert replayed[layer][:13] == [tok[col] for tok in t["tokens"]]
+        assert r2["routing"] == f"trace:{path}" and m.router is None and m.predictor is None
+    assert r["decode"]["tokens"] == 5
+    # scaled: every traced expert stands for a block of the larger count, k distinct ids in range
+    assert trace.scale_ids([3, 1], 4, 16, 2) == [12, 4]
+    assert trace.scale_ids([3, 1], 4, 16, 4) == [12, 4, 13, 5]
+    assert trace.scale_ids([7, 6], 8, 4, 2) == [3, 0]          # both map to expert 3: the next free id
+    for bad in ("{", json.dumps({"format": "x"}), json.dumps({**t, "tokens": [[[E]] * len(t["tokens"][0])]})):
+        path.write_text(bad)
+        p = subprocess.run([sys.executable, "-m", "waste", "bench", str(c), "--routing", f"trace:{path}"],
+                           capture_output=True, text=True)
+        assert p.returncode != 0 and p.stderr.startswith("waste: error: ") and "Traceback" not in p.stderr
+
+
+def test_route_diff_separates_set_and_rank_agreement(releases, tmp_path):
+    """Item 5 of issue 15 (route-diff): a swap of two experts is a rank mismatch, not a set one; a container against
+    itself agrees fully; bf16 against q4 experts of one model agrees on most experts (the CLI, end to end)."""
+    from waste.convert.convert import convert
+    from waste.runtime.trace import agreement
+
+    a = {1: torch.tensor([[3, 5], [1, 2]]), 3: torch.tensor([[0, 1], [4, 6]])}
+    b = {1: torch.tensor([[5, 3], [1, 2]]), 3: torch.tensor([[0, 7], [4, 6]])}
+    r = agreement(a, b)
+    assert r["layers"][1] == {"set": 1.0, "rank": 0.5} and r["layers"][3] == {"set": 0.75, "rank": 0.75}
+    with pytest.raises(WasteError, match="different layers"):
+        agreement(a, {1: a[1]})
+    _, src, c = releases["qwen3_moe"]
+    q4 = convert(src, tmp_path / "q4.waste", experts="q4", trunk="bf16", progress=False)
+
+    def diff(x, y):
+        p = subprocess.run([sys.executable, "-m", "waste", "route-diff", str(x), str(y), "def f(x): return x * 2",
+                            "--json", "--dtype", "float32"], capture_output=True, text=True, check=True)
+        return json.loads(p.stdout)
+    same, other = diff(c, c), diff(c, q4)
+    assert same["set"] == same["rank"] == 1.0 and same["tokens"] > 3
+    assert set(other["layers"]) == set(same["layers"]) and other["rank"] <= other["set"] <= 1.0
+    assert other["set"] > 0.5

@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from . import params
 from .version import __version__
@@ -134,7 +135,7 @@ def _load(a, model):
     model = _model(a, model)
     return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
                        preload=False if a.no_preload else None, experts_per_token=a.experts_per_token,
-                       device=a.device)
+                       device=a.device, prefetch=not a.no_prefetch)
 
 
 def _engine_args(p):
@@ -144,6 +145,9 @@ def _engine_args(p):
     p.add_argument("--threads", type=int, default=4, help="expert reader threads (default 4)")
     p.add_argument("--no-preload", action="store_true",
                    help="no background fill of the cache when the whole bank fits (also WASTE_PRELOAD=0)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="do not read the next MoE layer's predicted experts ahead of its router (next-layer "
+                        "prefetch; outputs are the same bits either way)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     p.add_argument("--device", default="cpu",
                    help="cpu (default), or cuda: trunk and expert slab in GPU memory (first step of the CUDA backend: "
@@ -194,12 +198,51 @@ def cmd_bench(a):
     check(params.engine, a.context, a.threads)
     if a.prompt_len < 1:
         raise WasteError("--prompt-len must be a positive number of tokens")
+    if a.routing.startswith("trace:"):
+        from .runtime.trace import load as load_trace
+
+        load_trace(a.routing[len("trace:"):])          # a bad file is refused before the model loads
+    elif a.routing not in ("model", "uniform"):
+        raise WasteError(f"--routing {a.routing!r}: use model, uniform or trace:FILE")
+    text = None
+    if a.text is not None:
+        try:
+            text = Path(a.text).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise WasteError(f"--text {a.text}: cannot read it as text ({exc})")
     eng = _load(a, a.model)
     try:
-        r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing, profile=a.profile)
+        r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing, profile=a.profile,
+                  text=text, record_trace=a.record_trace)
     finally:
         eng.close()
     print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
+
+
+def cmd_route_diff(a):
+    from .runtime.trace import agreement, routes
+
+    engines = []
+    try:
+        for path in (a.a, a.b):
+            engines.append(_load(a, path))
+        ids = [e.encode(a.prompt) for e in engines]
+        if ids[0] != ids[1]:
+            raise WasteError("the two containers tokenize the prompt differently: they are not one model")
+        if not ids[0]:
+            raise WasteError("the prompt is empty: give some text")
+        r = agreement(*(routes(e, ids[0]) for e in engines))
+    finally:
+        for e in engines:
+            e.close()
+    r = {"a": a.a, "b": a.b, "tokens": len(ids[0]), **r}
+    if a.json:
+        print(json.dumps(r, indent=1))
+        return
+    print(f"{len(ids[0])} tokens; per MoE layer: set agreement (same experts, any order) / rank agreement")
+    for layer, v in r["layers"].items():
+        print(f"layer {layer:<4} set {100 * v['set']:6.2f}%  rank {100 * v['rank']:6.2f}%")
+    print(f"mean       set {100 * r['set']:6.2f}%  rank {100 * r['rank']:6.2f}%")
 
 
 def cmd_chat(a):
@@ -490,15 +533,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--feed", choices=["greedy", "random"], default="greedy",
                    help="decode steps take the model's greedy token (default) or seeded random tokens (a random-"
                         "weight model's greedy output repeats, and so does its routing)")
-    b.add_argument("--routing", choices=["model", "uniform"], default="model",
-                   help="the router's choice (default) or top_k experts uniformly at random per token: the cache's "
-                        "worst case for a balanced model")
+    b.add_argument("--routing", default="model", metavar="model|uniform|trace:FILE",
+                   help="the router's choice (default), top_k experts uniformly at random per token (the cache's "
+                        "worst case for a balanced model), or a routing trace recorded by --record-trace replayed "
+                        "(scaled to this model's expert count; its recorded predictions drive prefetch)")
+    b.add_argument("--record-trace", default=None, metavar="FILE",
+                   help="write this run's routing per token and layer (and prefetch's predictions) to FILE")
+    b.add_argument("--text", default=None, metavar="FILE",
+                   help="prompt and decode feed from this text file's tokens (e.g. held-out code, to record a trace)")
     b.add_argument("--profile", action="store_true",
                    help="per-token time in buckets (attention, router, expert compute, expert wait, trunk matvec, "
                         "sampling, other) and the torch operators of one decode step")
     _engine_args(b)
     b.add_argument("--top-k", action=_routing_top_k("bench"), help=argparse.SUPPRESS)
     b.set_defaults(fn=cmd_bench)
+
+    rd = sub.add_parser("route-diff", help="per-layer routing agreement of two containers (formats) of one model")
+    rd.add_argument("a")
+    rd.add_argument("b")
+    rd.add_argument("prompt")
+    rd.add_argument("--json", action="store_true")
+    _engine_args(rd)
+    rd.set_defaults(fn=cmd_route_diff)
 
     i = sub.add_parser("info", help="describe a container")
     i.add_argument("model", nargs="?", default=None, help="default: the bundled default model (says where it lives)")

@@ -224,13 +224,15 @@ class Engine:
     @classmethod
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
-             experts_per_token: int | None = None, dump_dsa: bool | None = None, device: str = "cpu") -> "Engine":
+             experts_per_token: int | None = None, dump_dsa: bool | None = None, device: str = "cpu",
+             prefetch: bool = True) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
         WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). experts_per_token:
         route each token to this many experts instead of the release's number (1 .. that; a quality trade).
         dump_dsa (None follows WASTE_DUMP_DSA): print each DSA indexer selection to stderr (GLM-5.3).
         device: "cpu", or "cuda" (the trunk and the expert slab in GPU memory: the first step of the CUDA backend;
-        float and q8 expert formats)."""
+        float and q8 expert formats). prefetch: read the next MoE layer's predicted experts while this one
+        computes (the same bits either way)."""
         if preload is None:
             preload = os.environ.get("WASTE_PRELOAD", "1") != "0"
         if dump_dsa is None:
@@ -254,7 +256,7 @@ class Engine:
             trunk = assemble_trunk(container.load_trunk(verify=verify), container.manifest["trunk"])
             dev = resolve_device(device)
             experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
-                                  direct=direct, device=dev)
+                                  direct=direct, device=dev, prefetch=prefetch)
             f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()
             model = build_model(container.family, container.config, trunk, experts, dt, f32, capacity=context,
                                 device=dev)

@@ -159,15 +159,56 @@ def per_pair(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
     return torch.stack(ys, 1).to(dt)
 
 
+per_pair.per_matrix = True      # each pair through its own matmul: exact in a call of any size
+
+
 def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_k weights[t, k] * y[t, k] in float32 (routing weights are float32), in y's dtype."""
     out = torch.bmm(weights.unsqueeze(1), y if y.dtype == torch.float32 else y.float()).squeeze(1)
     return out if out.dtype == y.dtype else out.to(y.dtype)
 
 
+def expert_pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, kernel: Kernel,
+                 complete: bool = True) -> torch.Tensor:
+    """Each pair's expert output [T, k, h] (unweighted). complete=False: some slots are -1 (another group of the
+    layer's experts holds them); their pairs are left zero. Every kernel is exact per pair whatever else is in the
+    call, so a pair computes to the same bits in whichever group its expert lands."""
+    if complete:
+        return kernel(x, slots, bank)
+    if slots.shape[0] != 1:
+        return segments(x, slots, bank)        # one matmul per expert over all its rows: the same in any group
+    valid = slots >= 0
+    held = slots[valid]
+    if not held.numel():
+        return x.new_zeros(1, slots.shape[1], x.shape[-1])
+    if getattr(kernel, "per_matrix", False):
+        out = x.new_zeros(1, slots.shape[1], x.shape[-1])
+        out[valid] = kernel(x, held.view(1, -1), bank)[0]
+        return out
+    # a batched kernel (bmm) is exact per pair only at one batch size (MKL picks its path by shape, measured on
+    # kimi_linear's gate_up): run all k pairs, the missing ones on a slot this group holds; the caller masks them
+    return kernel(x, torch.where(valid, slots, held[:1]), bank)
+
+
 def routed_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, bank: Bank, kernel: Kernel,
                    complete: bool = True) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{slots[t, k]}(x[t]): x [T, h], slots and weights [T, k]. complete=False: some
     slots are -1 (this group of the layer's experts does not hold them); their pairs contribute nothing here."""
-    y = kernel(x, slots, bank) if complete else segments(x, slots, bank)
-    return weighted_sum(y, weights)
+    return weighted_sum(expert_pairs(x, slots, bank, kernel, complete), weights)
+
+
+def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, bank: Bank,
+                  kernel: Kernel) -> list[torch.Tensor]:
+    """routed_experts for several sequences whose experts arrive in groups ((slots per sequence, complete), as the
+    expert store yields them while its reads land): each pair's output is computed in exactly one group and kept,
+    and the weighted sum is taken once over all of them, so the result is the same bits however the reads landed."""
+    pairs = None
+    for slots, complete in groups:
+        part = [expert_pairs(x, s, bank, kernel, complete) for x, s in zip(xs, slots)]
+        if complete and pairs is None:
+            pairs = part
+            continue
+        if pairs is None:
+            pairs = [torch.zeros_like(p) for p in part]
+        pairs = [torch.where((s >= 0).unsqueeze(-1), p, a) for a, s, p in zip(pairs, slots, part)]
+    return [weighted_sum(p, w) for p, w in zip(pairs, weights)]

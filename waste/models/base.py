@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.mlp import dense_mlp
-from ..layers.moe import kernel_for, routed_experts
+from ..layers.moe import kernel_for, routed_groups
 from ..layers.norm import rms_norm
 from ..layers.router import sigmoid_grouped_topk, softmax_topk
 from ..quant.linear import linear
@@ -53,7 +53,9 @@ class DecoderModel:
         self.moe = config.get("moe") or {}
         self.top_k = self.moe.get("top_k")
         self.route_trace: list | None = None   # set to [] to record (layer, expert ids) per forward
-        self.router = None                      # a stand-in (i, x) -> (weights, ids): waste bench --routing uniform
+        self.router = None                      # a stand-in for route (i, x) -> (weights, ids): waste bench --routing
+        self.predict_trace: list | None = None  # set to [] to record next-layer prefetch's (layer, predicted ids)
+        self.predictor = None                   # a stand-in for predict_route: a replayed trace's predictions
         self.timer = NO_TIMER                   # waste bench --profile sets a timing.Timer
         self.swiglu_limit = config.get("swiglu_limit")   # clamped SwiGLU in every MLP (None: plain)
         self.dense = [self.cfg["layers"][i]["mlp"] == "dense" for i in range(len(self.layers))]
@@ -121,8 +123,6 @@ class DecoderModel:
             self._pool.append(fresh)
 
     def route(self, i: int, x: torch.Tensor):
-        if self.router is not None:
-            return self.router(i, x)
         lw, m = self.layers[i], self.moe
         if m["scoring"] == "softmax":
             return softmax_topk(x, lw["mlp.gate.weight"], self.top_k, m["norm_topk_prob"])
@@ -132,26 +132,50 @@ class DecoderModel:
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return self.mlp_many(i, [x])[0]
 
-    def mlp_many(self, i: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def predict_next(self, i: int, hs: list) -> tuple[int, list[int]] | None:
+        """Next-layer prefetch: the experts the next MoE layer after i will likely route to, from the residual
+        stream after layer i's attention through that layer's norm and router (the family's own router, not a
+        benchmark's stand-in). None where the store does not prefetch or holds the whole bank (unless predictions
+        are being recorded), or where the family's blocks reshape the stream (mHC, attention residuals)."""
+        if type(self).block_in is not DecoderModel.block_in:
+            return None
+        if self.predict_trace is None and not getattr(self.experts, "wants_prefetch", False):
+            return None     # off, or the whole bank fits (nothing to gain; a decode step's ops stay as they were)
+        j = next((j for j in range(i + 1, len(self.layers)) if not self.dense[j]), None)
+        if j is None:
+            return None
+        with self.timer.section("router"):
+            w = self.layers[j]["post_attention_layernorm.weight"]
+            idx = [self.predict_route(j, rms_norm(h, w, self.eps))[1] for h in hs]
+            if self.predict_trace is not None:
+                self.predict_trace.extend((j, t.clone()) for t in idx)
+            return j, torch.unique(torch.cat([t.reshape(-1) for t in idx])).tolist()
+
+    def predict_route(self, j: int, x: torch.Tensor):
+        """The router prefetch predicts with: the family's own, even where a benchmark stands in for `route`
+        (`predictor` stands in for this one: a replayed trace's predictions, recorded beside its routing)."""
+        return self.route(j, x) if self.predictor is None else self.predictor(j, x)
+
+    def mlp_many(self, i: int, xs: list[torch.Tensor], hs: list | None = None) -> list[torch.Tensor]:
         """The MLP of layer i for each sequence's rows. A MoE layer asks the expert store once for the union of all
         their experts (one read serves every sequence routed to an expert); each sequence's rows are computed on
         their own (a matmul's last bits depend on its row count), so a sequence's output never depends on what it
-        is batched with."""
+        is batched with. hs: the residual streams these rows were normed from, for next-layer prefetch."""
         lw, timer = self.layers[i], self.timer
         if self.dense[i]:
             with timer.section("trunk matvec"):
                 return [self.ffn(x, lw, "mlp.") for x in xs]
         with timer.section("router"):
-            routed = [self.route(i, x) for x in xs]
+            route = self.route if self.router is None else self.router
+            routed = [route(i, x) for x in xs]
         if self.route_trace is not None:
             self.route_trace.extend((i, idx.clone()) for _, idx in routed)
-        ys = None
         with timer.section("expert compute"):
             ins = [self.expert_in(i, x) for x in xs]
-            for slots, complete in self.experts.resident(i, [idx for _, idx in routed]):
-                part = [routed_experts(x, s, w, self.bank, self.kernel, complete)
-                        for x, s, (w, _) in zip(ins, slots, routed)]
-                ys = part if ys is None else [a + b for a, b in zip(ys, part)]
+            # computed group by group as the records land (the store reads the rest meanwhile)
+            ahead = None if hs is None else self.predict_next(i, hs)
+            groups = self.experts.resident(i, [idx for _, idx in routed], **({"ahead": ahead} if ahead else {}))
+            ys = routed_groups(ins, [w for w, _ in routed], groups, self.bank, self.kernel)
             ys = [self.expert_out(i, y) for y in ys]
         if self.moe.get("num_shared_experts"):
             with timer.section("trunk matvec"):
@@ -182,7 +206,7 @@ class DecoderModel:
                 u, ctx = self.block_in(i, "mlp", hs[j])
                 normed.append(rms_norm(u, lw["post_attention_layernorm.weight"], self.eps))
                 ctxs.append(ctx)
-            for j, y in enumerate(self.mlp_many(i, normed)):
+            for j, y in enumerate(self.mlp_many(i, normed, hs)):
                 hs[j] = self.block_out(i, "mlp", hs[j], y, ctxs[j])
         out = []
         for h in hs:

@@ -5,7 +5,9 @@ import time
 
 import torch
 
+from ..errors import WasteError
 from ..timing import BUCKETS, NO_TIMER, Timer, count_ops
+from . import trace
 from ..units import fmt_bytes
 from .bankio import measure_direct_bandwidth
 
@@ -15,29 +17,45 @@ BENCH_TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\
 
 
 def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, feed: str = "greedy",
-          routing: str = "model", profile: bool = False) -> dict:
+          routing: str = "model", profile: bool = False, text: str | None = None,
+          record_trace: str | None = None) -> dict:
     """feed: what each decode step is given, "greedy" (the model's own choice) or "random" (a seeded random token
     sequence: on a model with random weights greedy decoding soon repeats one token, and with it the same
     experts, which flatters the cache).
     routing: "model" (the router's choice) or "uniform" (each token to top_k experts drawn uniformly at random,
     seeded: the cache's worst case for a balanced model; a random-weight model's own router concentrates on a few
-    experts per layer in its deeper layers and flatters the cache as much as repeated tokens do).
+    experts per layer in its deeper layers and flatters the cache as much as repeated tokens do), or "trace:FILE"
+    (a recorded routing trace replayed, scaled to this model's experts; its recorded predictions drive prefetch).
+    text: the prompt and the decode feed are this text's tokens (feed "text"), e.g. held-out code for a trace.
+    record_trace: write the run's routing (and prefetch's predictions) to this file (runtime/trace.py).
     profile: also time the decode steps in buckets (timing.BUCKETS, per token) and count the torch operators of one
     more decode step."""
     tok = engine.tokenizer
-    ids = []
-    while len(ids) < prompt_len:
-        ids += tok.encode(BENCH_TEXT)
-    ids = ids[:prompt_len]
     model, cache = engine.model, engine.experts
+    fed = torch.randint(0, model.embed.shape[0], (n + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+    if text is not None:
+        ids = tok.encode(text)
+        if len(ids) < prompt_len + n + 1:
+            raise WasteError(f"the bench text has {len(ids)} tokens; --prompt-len {prompt_len} and -n {n} need "
+                             f"{prompt_len + n + 1}: give a longer text or smaller numbers")
+        ids, fed, feed = ids[:prompt_len], ids[prompt_len:prompt_len + n + 1], "text"
+    else:
+        ids = []
+        while len(ids) < prompt_len:
+            ids += tok.encode(BENCH_TEXT)
+        ids = ids[:prompt_len]
     state = model.new_state()
 
     def counters():
         s = cache.stats
-        return s.hits, s.misses, s.bytes_read, s.read_seconds
+        return (s.hits, s.misses, s.bytes_read, s.read_seconds, s.prefetch_bytes, s.predicted, s.predicted_right,
+                s.predicted_needed)
 
     if routing == "uniform" and getattr(model, "moe", None):
         model.router = _uniform_router(model)         # taken away below
+    elif routing.startswith("trace:") and getattr(model, "moe", None):
+        model.router, model.predictor = trace.replay(model, trace.load(routing[len("trace:"):]))
+    recorder = trace.Recorder(model) if record_trace else None
     try:
         c0 = counters()
         t0 = time.perf_counter()
@@ -45,7 +63,6 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         t1 = time.perf_counter()
         c1 = counters()
         pos = len(ids)
-        fed = torch.randint(0, model.embed.shape[0], (n + 1,), generator=torch.Generator().manual_seed(0)).tolist()
         timer = Timer() if profile else NO_TIMER
         model.timer, wait0 = timer, cache.stats.wait_seconds
         for i in range(n):
@@ -56,6 +73,10 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         t2 = time.perf_counter()
         c2 = counters()
         model.timer = NO_TIMER
+        if recorder is not None:
+            trace.save(recorder.finish(f"waste bench {engine.container.root.name}, {len(ids)} prompt + {n} decode "
+                                       f"tokens fed {feed}"), record_trace)
+            recorder = None
         prof = None
         if profile:
             timer.move("expert compute", "expert wait", cache.stats.wait_seconds - wait0)
@@ -65,7 +86,9 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
             prof = {"ms_per_token": {b: 1e3 * timer.seconds.get(b, 0.0) / n for b in BUCKETS},
                     "ops_per_step": ops, "ops_by_kind": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
     finally:
-        model.router = None
+        if recorder is not None:
+            model.route_trace = model.predict_trace = None
+        model.router = model.predictor = None
         model.timer = NO_TIMER
     banks = list(engine.container.banks.values())
     bw, direct = measure_direct_bandwidth(max(banks, key=lambda b: b.num_experts * b.record_bytes), bw_seconds) \
@@ -73,11 +96,14 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
     rec = cache.record_bytes
 
     def phase(a, b, seconds, tokens):
-        hits, misses, nbytes, rsec = (y - x for x, y in zip(a, b))
-        bound = misses * rec / bw if bw else 0.0
+        hits, misses, nbytes, rsec, pbytes, pred, right, needed = (y - x for x, y in zip(a, b))
+        # the bound counts every record read, the prefetch's included (a prefetched expert is then a hit)
+        bound = (misses * rec + pbytes) / bw if bw else 0.0
         return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds if seconds else 0.0,
                 "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
                 "bytes_read": nbytes, "read_seconds": rsec, "read_gb_per_s": nbytes / rsec / 1e9 if rsec else 0.0,
+                "prefetch_bytes": pbytes, "prefetch_precision": right / pred if pred else None,
+                "prefetch_recall": right / needed if needed else None,
                 "io_bound_seconds": bound, "io_bound_tok_per_s": tokens / bound if bound else None}
 
     plan = engine.plan
@@ -88,6 +114,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         "read_mode": "O_DIRECT" if cache.direct else "buffered + FADV_DONTNEED",
         "disk_bandwidth_gb_per_s": bw / 1e9, "disk_bandwidth_mode": "O_DIRECT" if direct else "buffered (O_DIRECT refused)",
         "background_fill_bytes": cache.fill_bytes, "evictions": cache.stats.evictions, "feed": feed,
+        "prefetch": cache.prefetch, "prefetch_evictions": cache.stats.prefetch_evictions,
         "routing": routing,
         "prefill": phase(c0, c1, t1 - t0, len(ids)), "decode": phase(c1, c2, t2 - t1, n),
         **({"profile": prof} if prof else {}),
@@ -114,12 +141,16 @@ def report_lines(r: dict) -> list[str]:
            f"disk         {r['disk_bandwidth_gb_per_s']:.2f} GB/s sequential ({r['disk_bandwidth_mode']}, on the largest bank)"]
     for name in ("prefill", "decode"):
         p = r[name]
-        bound = (f"I/O bound {p['io_bound_tok_per_s']:.1f} tok/s ({p['misses']} misses x record / disk)"
+        bound = (f"I/O bound {p['io_bound_tok_per_s']:.1f} tok/s (records read, prefetch's too, / disk)"
                  if p["io_bound_tok_per_s"] else "I/O bound: none (no misses)")
         out.append(f"{name:<12} {p['tokens']} tok in {p['seconds']:.2f} s = {p['tok_per_s']:.2f} tok/s | "
                    f"hit {100 * p['hit_rate']:.1f}% ({p['hits']} hit / {p['misses']} miss) | read "
                    f"{fmt_bytes(p['bytes_read'])} at {p['read_gb_per_s']:.2f} GB/s | {bound}")
-    out.append(f"fill         background fill read {fmt_bytes(r['background_fill_bytes'])}; evictions {r['evictions']}")
+        if p["prefetch_precision"] is not None:
+            out.append(f"{'':<12} prefetch read {fmt_bytes(p['prefetch_bytes'])}; next-layer prediction precision "
+                       f"{100 * p['prefetch_precision']:.1f}%, recall {100 * p['prefetch_recall']:.1f}%")
+    out.append(f"fill         background fill read {fmt_bytes(r['background_fill_bytes'])}; evictions {r['evictions']}"
+               f" (prefetch {'on' if r['prefetch'] else 'off'}, its evictions {r['prefetch_evictions']})")
     if "profile" in r:
         p = r["profile"]
         total = sum(p["ms_per_token"].values())

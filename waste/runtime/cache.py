@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -29,11 +29,15 @@ from ..layers.moe import MATRICES, Bank
 from .experts import ExpertStats, expert_act, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
 
+PREFETCH_MIN_PRECISION = 0.5   # of the predicted experts, the share the layer then needs (recent average)
+PRECISION_DECAY = 0.05         # weight of the newest prediction in that average (about the last 20 layer calls)
+
 
 class ExpertCache:
     def __init__(self, container: Container, budget_bytes: int | None, dtype: torch.dtype, threads: int = 4,
                  preload: bool = True, verify: bool = True, direct: bool = True,
-                 half_life: float | None = None, device: str = "cpu"):
+                 half_life: float | None = None, device: str = "cpu",
+                 prefetch: bool = True):
         ex, cfg = container.manifest["experts"], container.config
         self.device = torch.device(device)
         self.banks = container.banks
@@ -85,9 +89,15 @@ class ExpertCache:
         self.stats = ExpertStats()
         self.fill_bytes = 0
         self.damage: BaseException | None = None
+        self.prefetch = prefetch             # the model predicts the next MoE layer's experts and calls ahead()
+        self._predicted: dict[int, set] = {}  # layer -> experts predicted for its next call (precision / recall)
+        # the prediction's recent precision: below PREFETCH_MIN_PRECISION prefetch only predicts (to keep
+        # measuring) and reads nothing, since most of what it read would be bandwidth taken from demand reads
+        self.precision = 1.0
         self._stop = threading.Event()
         self.fill_thread = None
         self.fits = self.n_slots >= self.n_records
+        self.wants_prefetch = prefetch and not self.fits     # the whole bank fits: the fill reads it all anyway
         if preload and self.fits and self.n_records:
             self.fill_thread = threading.Thread(target=self._fill, name="waste-fill", daemon=True)
             self.fill_thread.start()
@@ -103,7 +113,7 @@ class ExpertCache:
             p = self._parts_of_slot[slot] = matrix_parts(self.layout.views(self.slot_tensor(slot)))
         return p
 
-    def _take_slots(self, n: int, pinned: set[int]) -> list[int]:
+    def _take_slots(self, n: int, pinned: set[int], prefetch: bool = False) -> list[int]:
         """n slots for new records: free ones first, then the lowest-scoring unpinned residents."""
         out = [self.free.pop() for _ in range(min(n, len(self.free)))]
         if len(out) < n:
@@ -115,7 +125,10 @@ class ExpertCache:
                 raise WasteError("the expert budget is too small for one layer's experts at once: raise --budget")
             for s in self.policy.victims(cand, need).tolist():
                 self._unassign(self.key_of[s])
-                self.stats.evictions += 1
+                if prefetch:
+                    self.stats.prefetch_evictions += 1
+                else:
+                    self.stats.evictions += 1
                 out.append(s)
         return out
 
@@ -190,35 +203,52 @@ class ExpertCache:
             gate_up = rows[:, g[0]:g[0] + 2 * g[1]].view(_DTYPES[g[2]]).view(self.n_slots, 2 * inter, h)
         return Bank(parts, self.shapes, self.fmt, self.swiglu_limit, gate_up, self.act)
 
-    def resident(self, layer: int, idxs: list[torch.Tensor]):
+    def resident(self, layer: int, idxs: list[torch.Tensor], ahead: tuple[int, list[int]] | None = None):
         """Make the experts that idxs (one [T, k] tensor of expert ids per sequence) route to resident, and yield
-        (slots per sequence, complete): the slot of every pair, -1 where this group does not hold it. One group
-        (complete) unless the layer needs more experts than the budget has slots (a long prefill on a tiny budget),
-        then groups of at most n_slots experts, each resident while its pairs are computed."""
+        (slots per sequence, complete) groups as they land: the slot of every pair, -1 where this group does not
+        hold it. The experts already resident come first, then each batch of reads as it completes, so the caller
+        computes while the rest are read; every pair is in exactly one group. complete: this one group holds
+        every pair. ahead: (next layer, its predicted experts) to prefetch once this layer's reads are queued. A layer that needs more experts than the budget has slots (a long prefill on a tiny budget)
+        is made resident in rounds of at most n_slots experts, each streamed the same way."""
         if self.damage is not None:
             raise self.damage
         # the union on the host, through numpy: the ids are needed there anyway (which records to read)
         on_host = [i if i.device.type == "cpu" else i.cpu() for i in idxs]
         union = np.unique(np.concatenate([i.numpy().ravel() for i in on_host])).tolist()
+        pred = self._predicted.pop(layer, None)
+        if pred is not None:
+            st = self.stats
+            st.predicted += len(pred)
+            st.predicted_right += len(pred.intersection(union))
+            st.predicted_needed += len(union)
+            if pred:
+                self.precision += PRECISION_DECAY * (len(pred.intersection(union)) / len(pred) - self.precision)
         per = max(self.n_slots, 1)
         for g in range(0, len(union), per):
             group = union[g:g + per]
-            self._make_resident(layer, group)
-            if self.dev_slab is not None:
-                self._flush()
-            if len(group) == len(union):
+            waits = self._make_resident(layer, group)
+            if ahead is not None:   # after this layer's reads are queued: the pool reads in submission order
+                self._ahead(*ahead, {(layer, e) for e in group})
+                ahead = None
+            if not waits and len(group) == len(union):
+                if self.dev_slab is not None:
+                    self._flush()
                 m = self.layer_slots[layer]
-                slots = [m[i] for i in on_host]
-            else:
+                yield self._to_device([m[i] for i in on_host]), True
+                continue
+            for landed in self._landing(layer, group, waits):
+                if self.dev_slab is not None:
+                    self._flush()
                 lut = torch.full_like(self.slot_map[layer], -1)
-                lut[group] = self.slot_map[layer, group]
-                slots = [lut[i] for i in on_host]
-            if self.device.type != "cpu":
-                slots = [s.to(self.device) for s in slots]
-            yield slots, len(group) == len(union)
+                lut[landed] = self.slot_map[layer, landed]
+                yield self._to_device([lut[i] for i in on_host]), False
         self.policy.advance(self.step)
 
-    def _make_resident(self, layer: int, experts: list[int]) -> None:
+    def _to_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+        return slots if self.device.type == "cpu" else [s.to(self.device) for s in slots]
+
+    def _make_resident(self, layer: int, experts: list[int]) -> dict[int, Future]:
+        """Assign slots to the misses and start their reads; returns the reads (and fill reads) still to land."""
         waits: dict[int, Future] = {}
         with self.lock:
             pinned = {self.slot_of[(layer, e)] for e in experts if (layer, e) in self.slot_of}
@@ -228,7 +258,7 @@ class ExpertCache:
                 key = (layer, e)
                 self._assign(key, s)
                 self.policy.reset(s)
-                waits[e] = self.pool.submit(self._read, key, s)
+                waits[e] = self.pool.submit(self._timed_read, key, s)
                 self.loading[key] = waits[e]
             for e in experts:
                 key = (layer, e)
@@ -241,22 +271,73 @@ class ExpertCache:
             pl = self.stats.per_layer.setdefault(layer, [0, 0])
             pl[0] += n_hit
             pl[1] += n_miss
-        if not waits:
+        return waits
+
+    def _ahead(self, layer: int, experts: list[int], in_use: set) -> None:
+        """Prefetch: start reading a later layer's predicted experts into free slots or the lowest-scoring
+        residents, never one the current call holds or is reading, and only while enough evictable slots stay
+        for that layer to fetch all of its experts itself if the prediction is wrong."""
+        self._predicted[layer] = set(experts)
+        if layer not in self.banks or self.precision < PREFETCH_MIN_PRECISION:
             return
-        t0 = time.perf_counter()
-        for e in sorted(waits):
-            try:
-                dt = waits[e].result()
-            except BaseException:
-                with self.lock:
-                    self._forget((layer, e))
-                raise
-            if e in misses:
-                with self.lock:
-                    self.loading.pop((layer, e), None)
-                    self.stats.bytes_read += self.record_bytes
-                    self.stats.read_seconds += dt
-        self.stats.wait_seconds += time.perf_counter() - t0
+        with self.lock:
+            todo = [e for e in experts if (layer, e) not in self.slot_of]
+            if not todo:
+                return
+            pinned = {self.slot_of[k] for k in in_use if k in self.slot_of}
+            pinned |= {self.slot_of[k] for k in self.loading if k in self.slot_of}
+            todo = todo[:max(0, self.n_slots - len(pinned) - len(experts))]   # every unpinned slot is evictable
+            if not todo:
+                return
+            for e, s in zip(todo, self._take_slots(len(todo), pinned, prefetch=True)):
+                key = (layer, e)
+                self._assign(key, s)
+                self.policy.reset(s)
+                self.loading[key] = self.pool.submit(self._prefetch_read, key, s)
+
+    def _prefetch_read(self, key, slot) -> tuple[float, bool]:
+        try:
+            dt = self._read(key, slot)
+        except BaseException:
+            with self.lock:      # a damaged record: forgotten here, so the layer that needs it reads it again
+                if self.slot_of.get(key) == slot:
+                    self._forget(key)
+            raise
+        with self.lock:
+            self.loading.pop(key, None)
+            self.stats.prefetch_reads += 1
+            self.stats.prefetch_bytes += self.record_bytes
+        return dt, False
+
+    def _timed_read(self, key, slot) -> tuple[float, bool]:
+        return self._read(key, slot), True     # (seconds, a read of ours: counted when it lands)
+
+    def _landing(self, layer: int, experts: list[int], waits: dict[int, Future]):
+        """Yield the experts of `experts` in groups as they become resident: those already resident at once,
+        then every batch of reads that has completed at each wait. Ascending ids within a group."""
+        now = [e for e in experts if e not in waits]
+        if now:
+            yield now
+        pending = dict(waits)
+        while pending:
+            t0 = time.perf_counter()
+            done, _ = wait(list(pending.values()), return_when=FIRST_COMPLETED)
+            self.stats.wait_seconds += time.perf_counter() - t0
+            landed = sorted(e for e, f in pending.items() if f in done)
+            for e in landed:
+                f = pending.pop(e)
+                try:
+                    r = f.result()
+                except BaseException:
+                    with self.lock:
+                        self._forget((layer, e))
+                    raise
+                if isinstance(r, tuple) and r[1]:   # our read (fill and prefetch reads are counted apart)
+                    with self.lock:
+                        self.loading.pop((layer, e), None)
+                        self.stats.bytes_read += self.record_bytes
+                        self.stats.read_seconds += r[0]
+            yield landed
 
     def _forget(self, key) -> None:
         self.loading.pop(key, None)

@@ -5,6 +5,7 @@ they sit; layers/moe.py computes them.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -21,10 +22,17 @@ class ExpertStats:
     evictions: int = 0
     per_layer: dict = field(default_factory=dict)
     wait_seconds: float = 0.0       # compute waiting for reads (the profile's "expert wait")
+    # next-layer prefetch: reads and evictions it made (apart from the demand misses above), and its prediction
+    # against what the layer then needed: precision = right / predicted, recall = right / needed
+    prefetch_reads: int = 0
+    prefetch_bytes: int = 0
+    prefetch_evictions: int = 0
+    predicted: int = 0
+    predicted_right: int = 0
+    predicted_needed: int = 0
 
     def snapshot(self) -> "ExpertStats":
-        return ExpertStats(self.hits, self.misses, self.bytes_read, self.read_seconds, self.evictions,
-                           {k: list(v) for k, v in self.per_layer.items()}, self.wait_seconds)
+        return dataclasses.replace(self, per_layer={k: list(v) for k, v in self.per_layer.items()})
 
 
 def parts_of(views: dict[str, torch.Tensor], matrix: str) -> dict[str, torch.Tensor]:
