@@ -1,5 +1,5 @@
 """Kimi K3's text side on a tiny K3 container: its tiktoken tokenizer (Kimi's pattern, Han runs apart) and the
-release's XTML template (../shared/templates/Kimi-K3.jinja): thinking and its effort, tool declarations, calls
+release's XTML template (tests/data/templates/Kimi-K3.jinja): thinking and its effort, tool declarations, calls
 and results round-tripping through Engine.chat, the server's chat route and `waste chat`, parsed into
 `reasoning_content` and `tool_calls`. Replies with a known shape are forced (the sampler's choice is replaced),
 so the rest of the path (stop ids, detokenizing, the XTML parser, finish_reason) is the real one."""
@@ -24,8 +24,8 @@ from waste.engine import Decoding
 from waste.serve.app import ServerState
 from waste.text.tokenizer import KIMI_PATTERN
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "templates" / "Kimi-K3.jinja"
-pytestmark = pytest.mark.skipif(not TEMPLATE.is_file(), reason=f"{TEMPLATE} is absent (shared/ sits beside the repo)")
+TEMPLATE = Path(__file__).resolve().parent / "data" / "templates" / "Kimi-K3.jinja"   # SOURCES.md beside it
+pytestmark = pytest.mark.skipif(not TEMPLATE.is_file(), reason=f"{TEMPLATE} is absent (tests/data/templates is incomplete)")
 
 CORPUS = ("The weather in Paris is sunny. 北京的天气很好。中文English混合的句子很常见。 Checking the weather now. "
           "get_weather city Paris days 3 temp 21 It is sunny. Think about it: add them. ") * 3
