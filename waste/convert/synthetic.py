@@ -14,6 +14,32 @@ from safetensors.torch import save_file
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
+
+class _Shards:
+    """Tensors written into safetensors shards of about shard_bytes each, with the index a sharded release has."""
+
+    def __init__(self, dst: Path, shard_bytes: int):
+        self.dst, self.shard_bytes = dst, shard_bytes
+        self.weight_map, self.shard, self.size, self.n = {}, {}, 0, 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.shard[name] = t
+        self.size += t.numel() * t.element_size()
+        if self.size >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.shard:
+            name = f"model-{self.n:05d}.safetensors"
+            save_file(self.shard, str(self.dst / name), metadata={"format": "pt"})
+            self.weight_map.update({k: name for k in self.shard})
+            self.shard, self.size, self.n = {}, 0, self.n + 1
+
+    def close(self) -> None:
+        self.flush()
+        (self.dst / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": self.weight_map}, indent=1))
+
 def byte_level_tokenizer_json(merges_text: str | None = None, vocab_size: int = 512, specials=SPECIALS) -> str:
     """A ByteLevel BPE tokenizer.json. With merges_text, BPE merges are trained on it (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -91,27 +117,14 @@ def write_random_qwen3_moe(dst: Path, cfg: dict, seed: int = 0, shard_bytes: int
     cfg["vocab_size"] = max(cfg["vocab_size"], write_tokenizer(dst, tokenizer_text))
     g = torch.Generator().manual_seed(seed)
     shapes = list(qwen3_moe_shapes(cfg))
-    weight_map, shard, size, n = {}, {}, 0, 0
-
-    def flush():
-        nonlocal shard, size, n
-        if shard:
-            name = f"model-{n:05d}.safetensors"
-            save_file(shard, str(dst / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-            shard, size, n = {}, 0, n + 1
-
+    out = _Shards(dst, shard_bytes)
     for name, shape in tqdm(shapes, desc="writing weights", disable=not progress, unit="tensor"):
         if len(shape) == 1:
             t = 1.0 + 0.1 * torch.randn(shape, generator=g)
         else:
             t = torch.randn(shape, generator=g) * (shape[1] ** -0.5)
-        shard[name] = t.to(torch.bfloat16)
-        size += shard[name].numel() * 2
-        if size >= shard_bytes:
-            flush()
-    flush()
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        out.add(name, t.to(torch.bfloat16))
+    out.close()
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg["eos_token_id"]}))
     return dst
@@ -188,16 +201,7 @@ def write_random_kimi_k3(dst: Path, text_cfg: dict, seed: int = 0, shard_bytes: 
     text["vocab_size"] = max(text["vocab_size"], write_tokenizer(dst))
     text["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
     g = torch.Generator().manual_seed(seed)
-    weight_map, shard, size, n = {}, {}, 0, 0
-
-    def flush():
-        nonlocal shard, size, n
-        if shard:
-            name = f"model-{n:05d}.safetensors"
-            save_file(shard, str(dst / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-            shard, size, n = {}, 0, n + 1
-
+    out = _Shards(dst, shard_bytes)
     specs = list(kimi_k3_shapes(text))
     for name, shape, kind in tqdm(specs, desc="writing weights", disable=not progress, unit="tensor"):
         if kind == "packed":
@@ -210,12 +214,8 @@ def write_random_kimi_k3(dst: Path, text_cfg: dict, seed: int = 0, shard_bytes: 
             t = 0.5 * torch.randn(shape, generator=g)
         else:
             t = (torch.randn(shape, generator=g) * shape[-1] ** -0.5).to(torch.bfloat16)
-        shard[name] = t
-        size += t.numel() * t.element_size()
-        if size >= shard_bytes:
-            flush()
-    flush()
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        out.add(name, t)
+    out.close()
     (dst / "config.json").write_text(json.dumps({"architectures": ["KimiK3ForConditionalGeneration"],
                                                  "model_type": "kimi_k3", "text_config": text}, indent=1))
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": text["eos_token_id"]}))
