@@ -138,3 +138,37 @@ def prompt(n: int, seed: int = 1) -> torch.Tensor:
 def engine_forward(engine, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """routed_forward on an engine's model."""
     return routed_forward(engine.model, ids)
+
+
+def bpe_merges(text: str, pattern: str, n_merges: int, version1: bool = True) -> list[tuple[bytes, bytes]]:
+    """Deterministic byte-level BPE training on text pre-split by pattern: most frequent pair, ties by the pair's
+    bytes (the tests' tokenizers; tests/text/conftest.py and tests/k3_release.py)."""
+    from collections import Counter
+
+    import regex
+
+    words = Counter(tuple(bytes([b]) for b in w.encode())
+                    for w in regex.findall(pattern, text, flags=regex.V1 if version1 else 0))
+    merges = []
+    for _ in range(n_merges):
+        pairs = Counter()
+        for w, c in words.items():
+            for a, b in zip(w, w[1:]):
+                pairs[a, b] += c
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        new = Counter()
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            new[tuple(out)] += c
+        words = new
+    return merges

@@ -162,33 +162,11 @@ def write_k3_tokenizer(d: Path, ranks: dict[bytes, int]) -> int:
 
 def train_ranks(text: str, n_merges: int) -> dict[bytes, int]:
     """Byte-level BPE ranks learnt on text pre-split by Kimi's pattern (most frequent pair first, ties by bytes)."""
-    from collections import Counter
-
-    import regex
+    from fixtures import bpe_merges
 
     from waste.text.tokenizer import KIMI_PATTERN
 
-    words = Counter(tuple(bytes([b]) for b in w.encode()) for w in regex.findall(KIMI_PATTERN, text, flags=regex.V1))
     ranks = {bytes([b]): b for b in range(256)}
-    for _ in range(n_merges):
-        pairs = Counter()
-        for w, c in words.items():
-            for a, b in zip(w, w[1:]):
-                pairs[a, b] += c
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        ranks.setdefault(best[0] + best[1], len(ranks))
-        merged = Counter()
-        for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            merged[tuple(out)] += c
-        words = merged
+    for a, b in bpe_merges(text, KIMI_PATTERN, n_merges):
+        ranks.setdefault(a + b, len(ranks))
     return ranks

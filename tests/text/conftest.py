@@ -8,11 +8,10 @@ Kimi-style `tiktoken.model` + `tokenizer_config.json` (oracle: a plain `tiktoken
 import base64
 import json
 import os
-from collections import Counter
 from pathlib import Path
 
 import pytest
-import regex
+from fixtures import bpe_merges
 from published import MOONSHOT_PAT_STR
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,32 +82,8 @@ BYTE_CHARS = byte_chars()
 
 
 def train_merges(pattern: str, n_merges: int, version1: bool) -> list[tuple[bytes, bytes]]:
-    """Deterministic byte-level BPE training: most frequent pair, ties by the pair's bytes."""
-    flags = regex.V1 if version1 else 0
-    words = Counter(tuple(bytes([b]) for b in w.encode()) for w in regex.findall(pattern, CORPUS, flags=flags))
-    merges = []
-    for _ in range(n_merges):
-        pairs = Counter()
-        for w, c in words.items():
-            for a, b in zip(w, w[1:]):
-                pairs[a, b] += c
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        new = Counter()
-        for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            new[tuple(out)] += c
-        words = new
-    return merges
+    """Deterministic byte-level BPE training on CORPUS (tests/fixtures.py bpe_merges)."""
+    return bpe_merges(CORPUS, pattern, n_merges, version1)
 
 
 def spell(b: bytes) -> str:
