@@ -75,3 +75,38 @@ def test_partial_groups_add_up_to_the_whole():
              + routed_experts(x, second, w, bank, None, complete=False))
     assert torch.allclose(whole, parts, rtol=1e-6, atol=1e-7)
 
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8", "q4"])
+@pytest.mark.parametrize("limit", [None, 0.05])
+def test_decode_row_kernel_matches_float64(fmt, limit):
+    """One float32 row on the CPU goes through layers/moe_cpu.py's numba kernel (the records read in place, the row
+    kept in float32: q4 included, unlike torch's int4 kernel), with and without the clamped SwiGLU."""
+    bank, dense = make_bank(fmt)
+    bank.limit = limit
+    assert bank.row_kernel() is not None
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, H, generator=g)
+    slots = torch.tensor([[5, 2]])
+    y = kernel_for(bank.fmt, "cpu")(x, slots, bank)
+    for j in range(K):
+        s, xd = int(slots[0, j]), x[0].double()
+        gt, up = dense["gate"][s] @ xd, dense["up"][s] @ xd
+        if limit is not None:
+            gt, up = gt.clamp(max=limit), up.clamp(-limit, limit)
+        want = dense["down"][s] @ (torch.nn.functional.silu(gt) * up)
+        assert (y[0, j].double() - want).norm() / want.norm() < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q4"])
+def test_decode_row_kernel_is_exact_per_pair(fmt):
+    """A pair's output is the same bits alone, beside another pair, or beside a pair another group holds (-1,
+    left zero): what bit-identity across budgets and cache warmth rests on."""
+    bank, _ = make_bank(fmt)
+    kern = kernel_for(bank.fmt, "cpu")
+    x = torch.randn(1, H)
+    both = kern(x, torch.tensor([[3, 1]]), bank)
+    alone = kern(x, torch.tensor([[1]]), bank)
+    held = kern(x, torch.tensor([[-1, 1]]), bank)
+    assert torch.equal(both[0, 1], alone[0, 0]) and torch.equal(held[0, 1], both[0, 1])
+    assert not held[0, 0].any()

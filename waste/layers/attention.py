@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..quant.linear import linear
+from . import attention_cpu
 from .norm import rms_norm
 from .rope import apply_rope, apply_rope_table, rope_cos_sin
 from .rows import Rows
@@ -105,12 +106,17 @@ def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, rope):
     T = x.shape[0]
     H, KV, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "qkv_proj.weight" in w:
-        qkv = linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias")).view(T, H + 2 * KV, d)
-        q, k, v = qkv.split((H, KV, KV), dim=1)
+        qkv = linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias"))
     else:
-        q = linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(T, H, d)
-        k = linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(T, KV, d)
-        v = linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(T, KV, d)
+        qkv = torch.cat([linear(x, w[f"{p}_proj.weight"], w.get(f"{p}_proj.bias")) for p in "qkv"], dim=-1)
+    if isinstance(rope, tuple) and attention_cpu.usable(qkv, cache.k):
+        # one decode row on the CPU: norms, rotary, the cache write and attention in one call
+        n, grown = len(cache), KVCache.__new__(KVCache)
+        (kb, grown._k), (vb, grown._v) = cache._k.claim(1), cache._v.claim(1)
+        o = attention_cpu.gqa_row(qkv, H, KV, w.get("q_norm.weight") if cfg.qk_norm else None,
+                                  w.get("k_norm.weight"), cfg.eps, rope[0], rope[1], kb, vb, n)
+        return linear(o, w["o_proj.weight"]), grown
+    q, k, v = qkv.view(T, H + 2 * KV, d).split((H, KV, KV), dim=1)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm.weight"], cfg.eps)
         k = rms_norm(k, w["k_norm.weight"], cfg.eps)

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from . import moe_cpu
 from .mlp import situ_act, swiglu_act
 
 MATRICES = ("gate", "up", "down")
@@ -38,6 +39,13 @@ class Bank:
     gate_up: torch.Tensor | None = None
     act: tuple | None = None                       # (beta, linear_beta): SiTU-GLU (Kimi K3) instead of SwiGLU
     _by_slot: dict = field(default_factory=dict)
+    _row_kernel: object = False                    # moe_cpu.NumbaPairs once made; None where it cannot serve
+
+    def row_kernel(self):
+        """The numba kernel for one decode row on the CPU (layers/moe_cpu.py), or None for records it does not read."""
+        if self._row_kernel is False:
+            self._row_kernel = moe_cpu.NumbaPairs(self) if moe_cpu.usable(self) else None
+        return self._row_kernel
 
     def activate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The experts' gated activation of gate and up outputs."""
@@ -117,8 +125,7 @@ def _gather(x: torch.Tensor, slots: torch.Tensor, bank: Bank, mv) -> torch.Tenso
     return mv("down", flat, bank.activate(g, u)).view(T, k, -1)
 
 
-@register("float", "cpu")
-@register("float", "cuda")              # plain torch ops: the same kernel on a GPU, its views in GPU memory
+@register("float", "cuda")              # plain torch ops; on the CPU, one decode row goes through numba (cpu_rows)
 def gather_float(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
     def mv(m, flat, v):
         w = bank.parts[m][""][flat]          # stored bf16 and computed in float32: widened after the gather
@@ -126,7 +133,6 @@ def gather_float(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tens
     return _gather(x, slots, bank, mv)
 
 
-@register("q8", "cpu")
 @register("q8", "cuda")
 def gather_q8(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
     """The pairs' int8 codes gathered and widened to float32, multiplied, the row scales applied to the output:
@@ -140,7 +146,6 @@ def gather_q8(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
     return _gather(x, slots, bank, mv)
 
 
-@register("q4", "cpu")
 @register("mxfp4", "cpu")
 @register("vq3", "cpu")
 def per_pair(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
@@ -162,8 +167,28 @@ def per_pair(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
 per_pair.per_matrix = True      # each pair through its own matmul: exact in a call of any size
 
 
+def cpu_rows(torch_kernel: Kernel) -> Kernel:
+    """On the CPU, a float32 decode row's pairs in one numba call (layers/moe_cpu.py: 2-9x faster than the torch
+    kernels at decode sizes, LEARNED §10); everything else (prefill, another compute dtype, K3's activation)
+    through torch_kernel. Pairs with slot -1 are left zero, as the contract asks."""
+    def kernel(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
+        nb = bank.row_kernel() if slots.shape[0] == 1 and x.dtype == torch.float32 else None
+        return nb(x, slots) if nb is not None else torch_kernel(x, slots, bank)
+    kernel.__name__ = f"cpu_rows({torch_kernel.__name__})"
+    kernel.per_matrix = getattr(torch_kernel, "per_matrix", False)
+    return kernel
+
+
+register("float", "cpu")(cpu_rows(gather_float))
+register("q8", "cpu")(cpu_rows(gather_q8))
+register("q4", "cpu")(cpu_rows(per_pair))
+
+
 def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_k weights[t, k] * y[t, k] in float32 (routing weights are float32), in y's dtype."""
+    row = moe_cpu.weighted_row(y, weights)      # one float32 row on the CPU: one numba call, not three operators
+    if row is not None:
+        return row
     out = torch.bmm(weights.unsqueeze(1), y if y.dtype == torch.float32 else y.float()).squeeze(1)
     return out if out.dtype == y.dtype else out.to(y.dtype)
 

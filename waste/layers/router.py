@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import router_cpu
+
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()      # no operator at all when it already is
@@ -11,6 +13,8 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
     """Qwen3-MoE / Mixtral: softmax over all experts, top-k, optional renormalisation."""
+    if router_cpu.usable(x, weight):         # one decode row on the CPU: one numba call instead of five operators
+        return router_cpu.softmax_topk_row(x, weight, top_k, norm_topk_prob)
     logits = F.linear(_f32(x), _f32(weight))
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     w, idx = torch.topk(probs, top_k, dim=-1)

@@ -40,17 +40,24 @@ class Rows:
         return self._b.t[:self.n]
 
     def append(self, x: torch.Tensor) -> "Rows":
-        b, T = self._b, x.shape[0]
-        if self.n != b.filled or self.n + T > b.t.shape[0] or x.dtype != b.t.dtype:
+        buf, out = self.claim(x.shape[0], x.dtype)
+        buf[self.n:out.n] = x
+        return out
+
+    def claim(self, T: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, "Rows"]:
+        """(the whole buffer, a Rows of T more rows) for a kernel that writes rows n .. n + T - 1 of the buffer
+        itself (layers/attention_cpu.py); append is claim and a copy."""
+        b = self._b
+        dtype = dtype or b.t.dtype
+        if self.n != b.filled or self.n + T > b.t.shape[0] or dtype != b.t.dtype:
             cap = max(2 * b.t.shape[0], self.n + T, 16)
-            t = torch.empty((cap, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            t = torch.empty((cap, *b.t.shape[1:]), dtype=dtype, device=b.t.device)
             t[:self.n] = self.data
             b = _Buffer(t, self.n)
-        b.t[self.n:self.n + T] = x
         b.filled = self.n + T
         out = Rows.__new__(Rows)
         out._b, out.n = b, self.n + T
-        return out
+        return b.t, out
 
     def reset(self) -> "Rows":
         """No rows, over the same buffer (a finished sequence's state reused for the next one: its memory was
