@@ -105,6 +105,10 @@ class Adapter:
             return None
         return int(m["layer"]), int(m["expert"]), self.expert_names[m["name"]]
 
+    def view(self, ckpt):
+        """The checkpoint as the converter reads it (gpt-oss: its fused expert tensors split per expert)."""
+        return ckpt
+
     def canonical(self, name: str) -> str:
         """The spelling this adapter expects for a checkpoint name that releases write more than one way."""
         return name

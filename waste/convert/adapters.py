@@ -12,6 +12,7 @@ from ..errors import WasteError
 from .adapter_base import Adapter, _first, _rope_theta
 from .adapter_deepseek import DeepseekV3Adapter
 from .adapter_glm5 import Glm5NextAdapter
+from .adapter_gpt_oss import GptOssAdapter
 from .adapter_kimi_k3 import KimiK3Adapter, is_k3
 from .adapter_kimi_linear import KimiLinearAdapter
 
@@ -79,7 +80,8 @@ class Qwen3MoeAdapter(Adapter):
 
 ADAPTERS = {a.family: a for a in (Qwen3MoeAdapter, KimiLinearAdapter)}
 ADAPTERS.update({"glm5_next": Glm5NextAdapter, "glm5_next_text": Glm5NextAdapter,
-                 "deepseek_v3": DeepseekV3Adapter, "kimi_k2": DeepseekV3Adapter, "kimi_k3": KimiK3Adapter})
+                 "deepseek_v3": DeepseekV3Adapter, "kimi_k2": DeepseekV3Adapter, "kimi_k3": KimiK3Adapter,
+                 "gpt_oss": GptOssAdapter})
 
 
 def adapter_for(hf: dict) -> Adapter:

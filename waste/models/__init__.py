@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..errors import WasteError
 
-SUPPORTED = ("qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3", "kimi_k3")
+SUPPORTED = ("qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3", "kimi_k3", "gpt_oss")
 
 
 def check_family(family: str) -> None:
@@ -20,6 +20,8 @@ def build_model(family: str, config: dict, trunk: dict, experts, dtype, f32_name
         from .glm5_next import Glm5Next as cls
     elif family == "kimi_k3":
         from .kimi_k3 import KimiK3 as cls
+    elif family == "gpt_oss":
+        from .gpt_oss import GptOss as cls
     elif family == "deepseek_v3":
         from .deepseek_v3 import DeepseekV3 as cls
     else:
