@@ -74,6 +74,8 @@ MARKUPS = {
         ),  # fmt: skip
         strip_after_think=False,
     ),
+    # gpt-oss: messages with channel headers (text/harmony.py's parser reads them, not OutputParser)
+    "harmony": Markup("harmony", think=None, call_open=("to=functions.",), call_close="<|call|>"),
 }
 
 
@@ -195,6 +197,8 @@ def collect(events) -> dict:
 def markup_for(family: str | None = None, template: str | None = None) -> Markup:
     """The output markup of a release: sniffed from its chat template, else known by family."""
     if template:
+        if "<|channel|>" in template and "<|message|>" in template:
+            return MARKUPS["harmony"]
         if "<|open|>" in template and "<|sep|>" in template:
             return MARKUPS["xtml"]
         if any(m in template for m in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>", "<|im_middle|>")):
@@ -207,6 +211,7 @@ def markup_for(family: str | None = None, template: str | None = None) -> Markup
     by_family = {
         "kimi_k3": "xtml", "kimi_linear": "kimi_k2", "kimi_k2": "kimi_k2", "glm4_moe": "glm",
         "glm_moe_dsa": "glm", "glm5_next": "glm", "qwen3_moe": "hermes", "qwen3_next": "hermes",
+        "gpt_oss": "harmony",
     }  # fmt: skip
     markup = MARKUPS[by_family.get(family, "plain")]
     return _no_think(markup) if family == "kimi_linear" else markup
@@ -220,7 +225,16 @@ def parser_for(family=None, template=None, prompt=None, tools=None, id_factory=N
         markup = Markup(**{**markup.__dict__, "think": tuple(think)})
     opened = bool(prompt and markup.think and prompt.rstrip().endswith(markup.think[0]))
     kw = {"id_factory": id_factory} if id_factory else {}
-    return OutputParser(markup, tools=tools, start_in_reasoning=opened, **kw)
+    return new_parser(markup, tools=tools, start_in_reasoning=opened, **kw)
+
+
+def new_parser(markup: Markup, **kw):
+    """The parser a markup is read with: OutputParser, or harmony's own (its messages carry headers)."""
+    if markup.name == "harmony":
+        from .harmony import HarmonyParser
+
+        return HarmonyParser(markup, **kw)
+    return OutputParser(markup, **kw)
 
 
 def _no_think(m: Markup) -> Markup:
