@@ -220,6 +220,5 @@ def test_waste_chat_session(oss, tmp_path, monkeypatch):
     assert s.history[3]["content"] == "It is sunny."
 
 
-def test_parser_for_family_and_template():
-    assert isinstance(parser_for("gpt_oss"), HarmonyParser)
-    assert isinstance(parser_for(None, TEMPLATE.read_text()), HarmonyParser)
+def test_parser_for_the_template():
+    assert isinstance(parser_for(TEMPLATE.read_text()), HarmonyParser)

@@ -69,7 +69,7 @@ class TemplateChat:
         self.tokenizer, self.family = tokenizer, family
         self.template = ChatTemplate(source)
         self.tool_template = ChatTemplate(tool_source) if tool_source else None
-        self.markup = markup_for(family, source)
+        self.markup = markup_for(source)
         self.stop_ids = frozenset(eos_ids | _turn_end_ids(tokenizer, self.template))
         self.description = "chat_template.jinja"
 
@@ -77,7 +77,7 @@ class TemplateChat:
                chat_template_kwargs=None) -> RenderedChat:
         tpl = self.tool_template if tools and self.tool_template else self.template
         names = tpl.variables
-        markup = self.markup if tpl is self.template else markup_for(self.family, tpl.source)
+        markup = self.markup if tpl is self.template else markup_for(tpl.source)
         if tools and "tools" not in names:
             raise ChatRequestError("tools: this model's chat template does not declare tools", "tools")
         if tools and not markup.call_open:

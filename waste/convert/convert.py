@@ -109,7 +109,7 @@ def trunk_specs(ckpt: Checkpoint, adapter: Adapter, tfmt) -> tuple[dict, dict, o
         dst, shape = adapter.trunk_target(n), ckpt.shape(original[n])
         if adapter.is_f32(dst, len(shape)):
             specs[dst] = (torch.float32, shape)
-        elif tfmt is not ffmt and quantizable(dst, shape, tfmt):
+        elif tfmt is not ffmt and quantizable(dst, shape, tfmt, adapter.keep_float):
             quantized[dst] = list(shape)
             for suffix, (dt, pshape) in tfmt.part_specs(tuple(shape)).items():
                 specs[part_name(dst, suffix)] = (dt, list(pshape))

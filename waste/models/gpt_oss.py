@@ -11,6 +11,7 @@ from ..layers.router import biased_topk_softmax
 from ..layers.sinks import sink_gqa_forward
 from ..layers.yarn import rope_frequencies
 from .base import DecoderModel
+from .family import Family
 
 
 class YarnTable:
@@ -61,3 +62,23 @@ class GptOss(DecoderModel):
     def route(self, i, x):
         lw = self.layers[i]
         return biased_topk_softmax(x, lw["mlp.router.weight"], lw["mlp.router.bias"], self.top_k)
+
+
+def _features(cfg: dict) -> list[str]:
+    g, m, kinds = cfg["gqa"], cfg["moe"], [l.get("window") for l in cfg["layers"]]
+    windows = sorted({w for w in kinds if w})
+    out = [f"attention sinks: a learned logit per head ({g['num_heads']} heads) in every softmax",
+           f"sliding-window attention on {sum(1 for w in kinds if w)} of {len(kinds)} layers "
+           f"(window {', '.join(map(str, windows)) or '-'}), full attention on the rest",
+           f"router with a bias, softmax over its top-{m['top_k']} logits",
+           f"expert GLU: (clamp(up, +-{m['glu_limit']:g}) + 1) * g * sigmoid({m['glu_alpha']:g} g), "
+           f"g = min(gate, {m['glu_limit']:g}); biases on every expert matrix and on q, k, v, o"]
+    r = g["rope"]
+    if r["type"] == "yarn":
+        out.append(f"rotary: yarn, theta {r['theta']:g}, factor {r['factor']:g} over "
+                   f"{r['original_max_position_embeddings']} positions")
+    return out
+
+
+FAMILY = Family("gpt_oss", GptOss, "adapter_gpt_oss:GptOssAdapter", features=_features,
+                title="gpt-oss-20b, gpt-oss-120b")

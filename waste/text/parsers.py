@@ -194,8 +194,8 @@ def collect(events) -> dict:
     return {"content": content or None, "reasoning_content": reasoning or None, "tool_calls": calls or None}
 
 
-def markup_for(family: str | None = None, template: str | None = None) -> Markup:
-    """The output markup of a release: sniffed from its chat template, else known by family."""
+def markup_for(template: str | None = None) -> Markup:
+    """The output markup of a release, sniffed from its chat template (plain without one)."""
     if template:
         if "<|channel|>" in template and "<|message|>" in template:
             return MARKUPS["harmony"]
@@ -208,19 +208,13 @@ def markup_for(family: str | None = None, template: str | None = None) -> Markup
         if "<tool_call>" in template:
             return MARKUPS["hermes"] if "<think>" in template else _no_think(MARKUPS["hermes"])
         return MARKUPS["think"] if "<think>" in template else MARKUPS["plain"]
-    by_family = {
-        "kimi_k3": "xtml", "kimi_linear": "kimi_k2", "kimi_k2": "kimi_k2", "glm4_moe": "glm",
-        "glm_moe_dsa": "glm", "glm5_next": "glm", "qwen3_moe": "hermes", "qwen3_next": "hermes",
-        "gpt_oss": "harmony",
-    }  # fmt: skip
-    markup = MARKUPS[by_family.get(family, "plain")]
-    return _no_think(markup) if family == "kimi_linear" else markup
+    return MARKUPS["plain"]
 
 
-def parser_for(family=None, template=None, prompt=None, tools=None, id_factory=None, think=None) -> OutputParser:
+def parser_for(template=None, prompt=None, tools=None, id_factory=None, think=None) -> OutputParser:
     """A fresh parser for one reply. `prompt`: the rendered prompt, whose tail says whether the
     reasoning channel is already open; `think`: (open, close) from a chat.json, overriding."""
-    markup = markup_for(family, template)
+    markup = markup_for(template)
     if think is not None:
         markup = Markup(**{**markup.__dict__, "think": tuple(think)})
     opened = bool(prompt and markup.think and prompt.rstrip().endswith(markup.think[0]))
