@@ -222,3 +222,37 @@ def test_waste_chat_session(oss, tmp_path, monkeypatch):
 
 def test_parser_for_the_template():
     assert isinstance(parser_for(TEMPLATE.read_text()), HarmonyParser)
+
+
+def harmony_encoding():
+    """OpenAI's own harmony encoding, or a skip saying why: it needs the o200k_base vocabulary, which it downloads
+    unless TIKTOKEN_ENCODINGS_BASE names a folder holding o200k_base.tiktoken (tests download nothing)."""
+    h = pytest.importorskip("openai_harmony")
+    if not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
+        pytest.skip("openai-harmony needs o200k_base.tiktoken: set TIKTOKEN_ENCODINGS_BASE to a folder holding it")
+    try:
+        return h, h.load_harmony_encoding(h.HarmonyEncodingName.HARMONY_GPT_OSS)
+    except Exception as e:         # the Rust side raises its own error types
+        pytest.skip(f"openai-harmony cannot load its encoding here: {e}")
+
+
+@pytest.mark.parametrize("reply", [CALL, ANSWER, CALL.replace("commentary to=functions.get_weather <|constrain|>json",
+                                                              "commentary to=functions.get_weather json")])
+def test_parser_agrees_with_openai_harmony(reply):
+    """The same reply through OpenAI's parser (its tokens, end id included) and ours (its text, end id excluded, as
+    the engine hands it over): the same reasoning, content and calls."""
+    h, enc = harmony_encoding()
+    messages = enc.parse_messages_from_completion_tokens(enc.encode(reply, allowed_special="all"), h.Role.ASSISTANT)
+    want = {"reasoning": "", "content": "", "calls": []}
+    for m in messages:
+        text = "".join(c.text for c in m.content)
+        if m.recipient and m.recipient.startswith("functions."):
+            want["calls"].append((m.recipient.removeprefix("functions."), json.loads(text)))
+        elif m.channel == "analysis":
+            want["reasoning"] += text
+        else:
+            want["content"] += text
+    ours = parse(re.sub(r"<\|(call|return)\|>$", "", reply))
+    got = {"reasoning": ours["reasoning_content"] or "", "content": ours["content"] or "",
+           "calls": [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ours["tool_calls"] or []]}
+    assert got == want
