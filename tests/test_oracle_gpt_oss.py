@@ -165,3 +165,15 @@ def test_missing_or_misshapen_fused_experts_are_named(oss, tmp_path):
     save_file(t, str(src / "model.safetensors"))
     with pytest.raises(WasteError, match="model.layers.2.mlp.experts.down_proj_scales is missing"):
         convert(src, tmp_path / "bad.waste", progress=False)
+
+
+def test_waste_info_names_the_features(oss, capsys):
+    from waste.cli import main
+
+    assert main(["info", str(oss["out"])]) in (0, None)
+    out = capsys.readouterr().out
+    assert "gpt_oss" in out
+    assert "attention sinks: a learned logit per head (4 heads)" in out
+    assert "sliding-window attention on 2 of 4 layers (window 8)" in out
+    assert "expert GLU: (clamp(up, +-7) + 1) * g * sigmoid(1.702 g)" in out
+    assert "rotary: yarn, theta 150000, factor 4 over 64 positions" in out
