@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 
-import torch
 
 from ..errors import WasteError
 from .adapter_base import EXPERT_MATRICES, Adapter, _first

@@ -15,7 +15,7 @@ import json
 import re
 import uuid
 
-from .parsers import Content, Reasoning, ToolCall
+from .events import Content, Reasoning, ToolCall
 
 START, END, RETURN, CALL = "<|start|>", "<|end|>", "<|return|>", "<|call|>"
 MESSAGE, CHANNEL, CONSTRAIN = "<|message|>", "<|channel|>", "<|constrain|>"

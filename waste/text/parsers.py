@@ -10,32 +10,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from . import tool_calls
 
 
-class Content(NamedTuple):
-    text: str
-
-
-class Reasoning(NamedTuple):
-    text: str
-
-
-class ToolCall(NamedTuple):
-    """One call, whole: OpenAI's streaming delta for it is `as_delta()`."""
-
-    index: int
-    id: str
-    name: str
-    arguments: str  # a JSON object, as text
-
-    def as_delta(self) -> dict:
-        return {"index": self.index, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-    def as_openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+from .events import Content, Reasoning, ToolCall  # noqa: F401  (the parsers' events, importable from here)
 
 
 @dataclass(frozen=True)
