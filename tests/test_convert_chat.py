@@ -18,7 +18,13 @@ from waste.errors import WasteError
 from waste.text.chat_format import default_chat_json, markers
 from waste.text.tokenizer import KIMI_PATTERN_BRANCHES, load_tokenizer
 
-FAMILIES = ("qwen3_moe", "kimi_linear", "glm5_next")   # the families with a built-in chat.json
+from waste.models import families
+
+FAMILIES = [f.name for f in families().values() if f.chat]   # the families with a built-in chat.json
+
+
+def builtin_chat(family: str) -> dict:
+    return default_chat_json(families()[family].chat)
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOOL_TEMPLATE = "{{ tools | tojson }}<tool_call>" + TEMPLATE
@@ -49,7 +55,7 @@ def chat_format_of(out):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_chat_json_is_installed_when_the_tokenizer_carries_it(tmp_path, releases, family):
-    want = default_chat_json(family)
+    want = builtin_chat(family)
     src = release(tmp_path, releases, family, specials=["<|endoftext|>", *markers(want)])
     out = convert(src, tmp_path / "o.waste", progress=False, chat="require")
     assert json.loads((out / "chat.json").read_text()) == want
@@ -69,7 +75,7 @@ def test_family_chat_json_is_installed_when_the_tokenizer_carries_it(tmp_path, r
 def test_missing_markup_is_refused_and_named(tmp_path, releases, family, specials):
     src = release(tmp_path, releases, family, specials)
     vocab = set(load_tokenizer(src).added_tokens)
-    missing = [m for m in markers(default_chat_json(family)) if m not in vocab and m not in ("<think>", "</think>")]
+    missing = [m for m in markers(builtin_chat(family)) if m not in vocab and m not in ("<think>", "</think>")]
     assert missing
     with pytest.raises(WasteError) as e:
         convert(src, tmp_path / "strict.waste", progress=False, chat="require")
@@ -94,7 +100,7 @@ def test_optional_sections_without_markers_are_left_out(releases):
     """The fixture tokenizer has ChatML but no <think>: the Qwen chat.json goes in without its think section."""
     out = releases["qwen3_moe"][2]
     data = json.loads((out / "chat.json").read_text())
-    want = default_chat_json("qwen3_moe")
+    want = builtin_chat("qwen3_moe")
     del want["think"]
     assert data == want
     assert "without think" in text_of(out)["chat_note"] and "<think>" in text_of(out)["chat_note"]
@@ -111,7 +117,7 @@ def test_no_specials_list_is_no_evidence(tmp_path, releases):
     (src / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
     (src / "tokenization_kimi.py").write_text("\n".join(KIMI_PATTERN_BRANCHES))
     out = convert(src, tmp_path / "o.waste", progress=False, chat="require")
-    assert json.loads((out / "chat.json").read_text()) == default_chat_json("kimi_linear")
+    assert json.loads((out / "chat.json").read_text()) == builtin_chat("kimi_linear")
     assert "not checked" in text_of(out)["chat_note"]
     assert (out / "tokenization_kimi.py").is_file() and load_tokenizer(out).kind == "tiktoken"
     with pytest.raises(UnsupportedChatFormat, match="<\\|im_user\\|>"):

@@ -35,10 +35,20 @@ def _deepseek():
     return deepseek_model()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3"])
+def _gpt_oss():
+    from test_oracle_gpt_oss import gpt_oss_model
+    return gpt_oss_model()
+
+
+def _qwen3_next():        # one DeltaNet layer, three full-attention ones: the state is mostly KV, as the check needs
+    from test_oracle_qwen3_next import qwen3_next_model
+    return qwen3_next_model(layer_types=["linear_attention"] + ["full_attention"] * 3)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3", "gpt_oss", "qwen3_next"])
 def test_plan_floor_is_within_10_percent_of_peak_rss(family, tmp_path):
     build = {"qwen3_moe": qwen3_moe_model, "kimi_linear": kimi_linear_model, "glm5_next": _glm5,
-             "deepseek_v3": _deepseek}[family]
+             "deepseek_v3": _deepseek, "gpt_oss": _gpt_oss, "qwen3_next": _qwen3_next}[family]
     src = save_release(build(), tmp_path / "src")
     out = convert(src, tmp_path / "m.waste", experts="bf16", trunk="bf16", progress=False)
     r = subprocess.run([sys.executable, "-c", MEASURE, str(out), str(CONTEXT)], capture_output=True, text=True,

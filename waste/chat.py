@@ -20,7 +20,7 @@ from .runtime.sampling import SamplingParams
 from .text.chat_format import ChatFormat, encode_chat_format, load_chat_json
 from .text.chat_template import ChatTemplate, chat_segments, prepare_messages, template_arguments_as_dicts
 from .text.errors import TextError
-from .text.parsers import Content, Markup, OutputParser, Reasoning, ToolCall, collect, markup_for
+from .text.parsers import Content, Markup, OutputParser, Reasoning, ToolCall, collect, markup_for, new_parser
 from .text.segments import joined, token_regex
 
 THINKING_SWITCHES = ("enable_thinking", "thinking")  # template variables that turn reasoning on and off
@@ -69,7 +69,7 @@ class TemplateChat:
         self.tokenizer, self.family = tokenizer, family
         self.template = ChatTemplate(source)
         self.tool_template = ChatTemplate(tool_source) if tool_source else None
-        self.markup = markup_for(family, source)
+        self.markup = markup_for(source)
         self.stop_ids = frozenset(eos_ids | _turn_end_ids(tokenizer, self.template))
         self.description = "chat_template.jinja"
 
@@ -77,7 +77,7 @@ class TemplateChat:
                chat_template_kwargs=None) -> RenderedChat:
         tpl = self.tool_template if tools and self.tool_template else self.template
         names = tpl.variables
-        markup = self.markup if tpl is self.template else markup_for(self.family, tpl.source)
+        markup = self.markup if tpl is self.template else markup_for(tpl.source)
         if tools and "tools" not in names:
             raise ChatRequestError("tools: this model's chat template does not declare tools", "tools")
         if tools and not markup.call_open:
@@ -105,6 +105,8 @@ class TemplateChat:
                 raise ChatRequestError("thinking: this model's chat template has no switch for reasoning", "thinking")
             kwargs.update({k: bool(thinking) for k in switches})
         msgs = prepare_messages(messages, template_arguments_as_dicts(tpl.source))
+        if "message.thinking" in tpl.source:     # gpt-oss's template reads a reply's reasoning as `thinking`
+            msgs = [_as_thinking(m) for m in msgs]
         try:
             segments, control = chat_segments(self.tokenizer, tpl, msgs, tools=tools or None,
                                               add_generation_prompt=True, **kwargs)
@@ -113,7 +115,7 @@ class TemplateChat:
         ids, text = self.tokenizer.encode_segments(segments, control), joined(segments)
         markup = markup if tools else _without_calls(markup)
         opened = bool(markup.think and text.rstrip().endswith(markup.think[0]))
-        return RenderedChat(ids, text, OutputParser(markup, tools=tools, start_in_reasoning=opened))
+        return RenderedChat(ids, text, new_parser(markup, tools=tools, start_in_reasoning=opened))
 
 
 class JsonChat:
@@ -379,6 +381,18 @@ def _param_of(message: str, tools) -> str:
 def _without_calls(markup: Markup) -> Markup:
     """No tools were declared: call markup stays text."""
     return dataclasses.replace(markup, call_open=(), call_close="", parse_call=None)
+
+
+def _as_thinking(m: dict) -> dict:
+    """An assistant message's reasoning_content as `thinking` (gpt-oss's template). Beside a tool call that template
+    takes reasoning or content, not both (it raises): the reasoning that led to the call is kept, the preamble the
+    user has already seen is left out of the prompt."""
+    if m.get("role") != "assistant" or not m.get("reasoning_content") or "thinking" in m:
+        return m
+    m = {**m, "thinking": m["reasoning_content"]}
+    if m.get("tool_calls") and m.get("content"):
+        m["content"] = ""
+    return m
 
 
 def _turn_end_ids(tokenizer, template: ChatTemplate) -> set[int]:

@@ -81,11 +81,12 @@ def _open(path):
 
 def cmd_info(a):
     from .container.info import describe
+    from .models import family
 
     if a.convert_only:
         return _convert_only(a, a.model)
     c = _open(model_path(_model(a, a.model)))
-    d = describe(c)
+    d = describe(c, family(c.family).features_of(c.config))
     if a.model is None:
         d["default_model"] = True
     if a.json:

@@ -3,14 +3,12 @@ key that containers without the feature lack, so a person can see which code pat
 from __future__ import annotations
 
 
-def features(manifest: dict) -> list[str]:
+def features(manifest: dict, family_features: list[str] = ()) -> list[str]:
+    """The lines every family's config may switch on, then `family_features` (the family record's, which this
+    layer cannot read: models/family.py), the vision tower and the conversion's notes."""
     cfg = manifest["config"]
     out = []
     kinds = [l["attn"] for l in cfg["layers"]]
-    h = cfg.get("mhc")
-    if h:
-        out.append(f"mHC: {h['hc_mult']} residual streams, Sinkhorn-projected mixing ({h['sinkhorn_iters']} "
-                   f"iterations, eps {h['eps']:g}), mean collapse at the end")
     d = cfg.get("dsa")
     if d:
         shared = sum(1 for t in d.get("indexer_types") or [] if t == "shared")
@@ -20,9 +18,6 @@ def features(manifest: dict) -> list[str]:
                    f"dense below index_topk" + (f", {shared} layer(s) sharing a selection" if shared else ""))
     if cfg.get("swiglu_limit") is not None:
         out.append(f"clamped SwiGLU: silu(min(gate, {cfg['swiglu_limit']:g})) * clamp(up, +-{cfg['swiglu_limit']:g})")
-    if cfg.get("attn_res_block_size"):
-        out.append(f"attention residuals: each sublayer reads a softmax mix of the residual stream's block summaries "
-                   f"(a block every {cfg['attn_res_block_size']} layers) and the current partial sum")
     k = cfg.get("kda") or {}
     if "kda" in kinds and k.get("gate_lower_bound") is not None:
         out.append(f"KDA decay gate with lower bound {k['gate_lower_bound']:g}")
@@ -49,6 +44,7 @@ def features(manifest: dict) -> list[str]:
                    f"b {moe.get('situ_beta', 1.0):g}" + (f", lb {lb:g}" if lb is not None else ""))
     if (moe.get("n_group") or 1) > 1:
         out.append(f"grouped routing: top-{moe['topk_group']} of {moe['n_group']} expert groups")
+    out += family_features
     v = manifest.get("vision")
     if v:
         out.append(f"vision tower: {v['tensors']} tensors, {v['params']:,} parameters in {v['file']} "

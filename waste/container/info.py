@@ -7,7 +7,8 @@ from . import Container
 from .features import features
 
 
-def describe(c: Container) -> dict:
+def describe(c: Container, family_features: list[str] = ()) -> dict:
+    """`family_features`: the family record's lines (models/family.py `features_of`), given by the caller."""
     m, cfg = c.manifest, c.config
     attn = Counter(l["attn"] for l in cfg["layers"])
     mlp = Counter(l["mlp"] for l in cfg["layers"])
@@ -23,7 +24,7 @@ def describe(c: Container) -> dict:
         "layers_summary": f"{cfg['num_layers']}: " + ", ".join(f"{n} {k}" for k, n in attn.items()) + "; "
                           + ", ".join(f"{n} {k}" for k, n in mlp.items()),
         "experts_summary": experts,
-        "features": features(m),
+        "features": features(m, family_features),
         "moe_layers": len(m["experts"]["layers"]),
         "params": m["params"],
         "trunk_bytes": m["trunk"]["bytes"], "trunk_format": m["trunk"]["format"],

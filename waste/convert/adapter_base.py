@@ -59,6 +59,12 @@ class Adapter:
     expert_re: re.Pattern
     expert_names: dict[str, str]
     keep_f32: tuple[str, ...] = ()   # trunk names (suffixes) stored in float32 whatever --trunk says
+    keep_float: tuple[str, ...] = ()  # trunk matrices (suffixes) kept unquantized whatever --trunk says
+
+    @classmethod
+    def claims(cls, hf: dict) -> bool:
+        """Is this release ours? Only families that share a `model_type` with another need to say."""
+        return True
 
     def __init__(self, hf: dict):
         self.hf = hf
@@ -104,6 +110,10 @@ class Adapter:
         if not m:
             return None
         return int(m["layer"]), int(m["expert"]), self.expert_names[m["name"]]
+
+    def view(self, ckpt):
+        """The checkpoint as the converter reads it (gpt-oss: its fused expert tensors split per expert)."""
+        return ckpt
 
     def canonical(self, name: str) -> str:
         """The spelling this adapter expects for a checkpoint name that releases write more than one way."""

@@ -41,6 +41,7 @@ class DeepseekV3Adapter(Adapter):
     expert_fmt = "model.layers.{layer}.mlp.experts.{expert}.{name}.weight"
     expert_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     keep_f32 = ("mlp.gate.weight", "e_score_correction_bias")
+    keep_float = ("kv_b_proj.weight",)   # split per head in the absorbed decode path
 
     def dropped(self, name):
         m = _LAYER.match(name)

@@ -74,6 +74,7 @@ class Glm5NextAdapter(Adapter):
     # mHC is computed in float32 (its 1-D base/scale are f32 anyway); transformers keeps the conv and gates f32 too
     keep_f32 = ("mlp.gate.weight", "A_log", "dt_bias", "e_score_correction_bias", "hc_attn_fn", "hc_ffn_fn",
                 "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale", "conv1d.weight")
+    keep_float = ("kv_b_proj.weight",)   # split per head in the absorbed decode path
 
     def canonical(self, name):
         for pat, rep in _ALIASES:

@@ -13,7 +13,7 @@ import re
 
 from ..errors import WasteError
 from .adapter_base import _first, sigmoid_moe
-from .adapter_kimi_linear import KimiLinearAdapter
+from .adapter_kimi_linear import KimiLinearAdapter, is_k3
 
 _ALIASES = [
     (re.compile(r"^language_model\."), ""),
@@ -22,14 +22,6 @@ _ALIASES = [
 ]
 _VISION = re.compile(r"^(?:language_model\.)?(?:vision_tower|vision_model|mm_projector|multi_modal_projector)\.")
 _MTP = re.compile(r"^(?:language_model\.)?(?:model\.)?mtp\.|^(?:language_model\.)?model\.layers\.(\d+)\.")
-# keys only K3 has: a flat text config carrying them is a K3, never a Kimi-Linear one
-K3_KEYS = ("attn_res_block_size", "routed_expert_hidden_size", "activation_situ_beta")
-
-
-def is_k3(hf: dict) -> bool:
-    return hf.get("outer_model_type") == "kimi_k3" or any(hf.get(k) is not None for k in K3_KEYS)
-
-
 def _layer_kinds(hf: dict, n: int) -> list[str]:
     """0-based kinds from the 1-indexed linear_attn_config lists (layer i is KDA iff i + 1 is in kda_layers)."""
     lac = hf.get("linear_attn_config") or {}
@@ -51,6 +43,10 @@ def _layer_kinds(hf: dict, n: int) -> list[str]:
 class KimiK3Adapter(KimiLinearAdapter):
     family = "kimi_k3"
     keep_f32 = ("mlp.gate.weight", "A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight", "res_proj.weight")
+
+    @classmethod
+    def claims(cls, hf):
+        return is_k3(hf)
 
     def canonical(self, name):
         for pat, rep in _ALIASES:

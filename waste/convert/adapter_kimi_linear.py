@@ -7,6 +7,13 @@ import re
 from ..errors import WasteError
 from .adapter_base import Adapter, _first, sigmoid_moe
 
+# keys only K3 has: a flat text config carrying them is a K3 (model_type kimi_linear too), never a Kimi-Linear one
+K3_KEYS = ("attn_res_block_size", "routed_expert_hidden_size", "activation_situ_beta")
+
+
+def is_k3(hf: dict) -> bool:
+    return "kimi_k3" in (hf.get("model_type"), hf.get("outer_model_type")) or any(hf.get(k) is not None for k in K3_KEYS)
+
 
 class KimiLinearAdapter(Adapter):
     family = "kimi_linear"
@@ -14,6 +21,11 @@ class KimiLinearAdapter(Adapter):
     expert_fmt = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}.weight"
     expert_names = {"w1": "gate", "w3": "up", "w2": "down"}
     keep_f32 = ("mlp.gate.weight", "A_log", "dt_bias", "e_score_correction_bias")
+    keep_float = ("kv_b_proj.weight",)   # MLA's kv_b_proj is split per head in the absorbed decode path
+
+    @classmethod
+    def claims(cls, hf):
+        return not is_k3(hf)
 
     _dense_alias = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)")
 

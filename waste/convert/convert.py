@@ -60,7 +60,8 @@ def check_names(ckpt: Checkpoint, adapter: Adapter) -> None:
         if not shape_ok(got, want_shape):
             raise WasteError(f"{name} has shape {got}, expected {shape_text(want_shape)} from config.json")
     h, inter = expert_dims(c)
-    want = {"gate": [inter, h], "up": [inter, h], "down": [h, inter]}
+    want = {"gate": [inter, h], "up": [inter, h], "down": [h, inter],
+            "gate.bias": [inter], "up.bias": [inter], "down.bias": [h]}     # biases: gpt-oss
     for name in adapter.expected_expert_names():
         _, _, mat = adapter.classify_expert(name)
         if ckpt.shape(original[name]) != want[mat]:
@@ -82,6 +83,9 @@ def expert_layout(fmt_name: str, cfg: dict) -> RecordLayout:
     for m in EXPERT_MATRICES:
         for suffix, (dt, shape) in fmt.part_specs(shapes[m]).items():
             tensors[f"{m}.{suffix}" if suffix else m] = torch.empty(shape, dtype=dt)
+    if (cfg.get("moe") or {}).get("expert_bias"):     # gpt-oss: float32 biases after the matrices (gate, up adjacent)
+        for m in EXPERT_MATRICES:
+            tensors[f"{m}.bias"] = torch.empty(shapes[m][0], dtype=torch.float32)
     return RecordLayout.from_tensors(tensors)
 
 
@@ -105,7 +109,7 @@ def trunk_specs(ckpt: Checkpoint, adapter: Adapter, tfmt) -> tuple[dict, dict, o
         dst, shape = adapter.trunk_target(n), ckpt.shape(original[n])
         if adapter.is_f32(dst, len(shape)):
             specs[dst] = (torch.float32, shape)
-        elif tfmt is not ffmt and quantizable(dst, shape, tfmt):
+        elif tfmt is not ffmt and quantizable(dst, shape, tfmt, adapter.keep_float):
             quantized[dst] = list(shape)
             for suffix, (dt, pshape) in tfmt.part_specs(tuple(shape)).items():
                 specs[part_name(dst, suffix)] = (dt, list(pshape))
@@ -127,6 +131,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, experts: str = "auto
     src, out = Path(src).expanduser(), Path(out).expanduser()
     ckpt = Checkpoint(src)
     adapter = adapter_of(ckpt.config, src)
+    ckpt = adapter.view(ckpt)
     check_names(ckpt, adapter)
     text = plan_text(src, adapter.family, chat)   # tokenizer and chat format: refused here, before writing
     released = released_expert_format(ckpt, adapter) if adapter.moe_layers() else None
@@ -191,8 +196,11 @@ def _write(ckpt: Checkpoint, adapter: Adapter, efmt, tfmt, root: Path, progress:
 
     def expert_job(name, layer, e, mat, nbytes):
         def job():
-            got = ckpt.released_parts(name) if keep_released else None
-            parts = got[1] if got else efmt.pack(ckpt.get(name))
+            if mat.endswith(".bias"):           # an expert's bias (gpt-oss): float32 whatever the format
+                parts = {"": ckpt.get(name).float().contiguous()}
+            else:
+                got = ckpt.released_parts(name) if keep_released else None
+                parts = got[1] if got else efmt.pack(ckpt.get(name))
             with lock:
                 slot = pending.setdefault((layer, e), {})
                 for suffix, t in parts.items():

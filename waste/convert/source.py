@@ -258,6 +258,10 @@ class Checkpoint:
             raise WasteError(f"{name} has dtype {t.dtype}, which this converter does not read yet")
         return t if t.dtype in (torch.bfloat16, torch.float16, torch.float32) else t.float()
 
+    def get_index(self, name: str, i: int) -> torch.Tensor:
+        """name[i] as stored, read alone (one expert of a release's fused [experts, ...] tensor)."""
+        return self._handle(self.where[name]).get_slice(name)[i]
+
     def _packed(self, name: str):
         """A compressed-tensors matrix's packed weight and scale, each from its own shard (an index may split them)."""
         return tuple(self._handle(self.where[name + c]).get_tensor(name + c) for c in ("_packed", "_scale"))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import WasteError
+from ..models import families
 
 CHAT_MODES = ("auto", "require", "none")
 PLAIN_FILES = ("generation_config.json", "chat_template.jinja", "chat.json")
@@ -119,7 +120,7 @@ def plan_text(src: Path, family: str, chat: str = "auto") -> TextPlan:
     if chat == "none":
         plan.note = "the release has no chat template and the conversion was asked for no chat.json"
         return plan
-    data = default_chat_json(family)
+    data = default_chat_json(families()[family].chat)
     if data is None:
         return _no_chat(plan, chat, f"the release has no chat template and waste has no chat.json for {family}")
     tok = load_tokenizer(src)

@@ -66,6 +66,7 @@ def estimate(remote: Remote, text: list[RemoteFile], weights: list[RemoteFile], 
         for k, v in remote.safetensors_header(rf.path).items():
             meta[k], where[k] = v, rf.path
     ckpt = Checkpoint.from_metadata(f"{remote.repo}@{remote.commit[:12]}", hf, meta, where)
+    ckpt = adapter.view(ckpt)
     check_names(ckpt, adapter)
     cfg = adapter.config
     moe = adapter.moe_layers()

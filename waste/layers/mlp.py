@@ -16,6 +16,13 @@ def swiglu_act(g: torch.Tensor, u: torch.Tensor, limit: float | None = None) -> 
     return F.silu(g) * u
 
 
+def oai_glu_act(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts: (clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g') with g' = min(g, L)."""
+    g = g.clamp(max=limit)
+    u = u.clamp(-limit, limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
            limit: float | None = None) -> torch.Tensor:
     return linear(swiglu_act(linear(x, gate), linear(x, up), limit), down)

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from . import moe_cpu
-from .mlp import situ_act, swiglu_act
+from .mlp import oai_glu_act, situ_act, swiglu_act
 
 MATRICES = ("gate", "up", "down")
 
@@ -37,7 +37,8 @@ class Bank:
     fmt: object
     limit: float | None = None                     # clamped SwiGLU's limit (GLM-5.3)
     gate_up: torch.Tensor | None = None
-    act: tuple | None = None                       # (beta, linear_beta): SiTU-GLU (Kimi K3) instead of SwiGLU
+    act: tuple | None = None                       # (beta, linear_beta): SiTU-GLU (Kimi K3) instead of SwiGLU;
+    #                                                ("oai_glu", alpha, limit): gpt-oss's clamped GLU
     _by_slot: dict = field(default_factory=dict)
     _row_kernel: object = False                    # moe_cpu.NumbaPairs once made; None where it cannot serve
 
@@ -47,9 +48,16 @@ class Bank:
             self._row_kernel = moe_cpu.NumbaPairs(self) if moe_cpu.usable(self) else None
         return self._row_kernel
 
+    def __post_init__(self):
+        self.bias = "bias" in self.parts.get("gate", {})    # gpt-oss: records carry gate / up / down biases
+
     def activate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The experts' gated activation of gate and up outputs."""
-        return swiglu_act(g, u, self.limit) if self.act is None else situ_act(g, u, *self.act)
+        if self.act is None:
+            return swiglu_act(g, u, self.limit)
+        if self.act[0] == "oai_glu":
+            return oai_glu_act(g, u, *self.act[1:])
+        return situ_act(g, u, *self.act)
 
     def slot_parts(self, slot: int) -> dict[str, dict[str, torch.Tensor]]:
         """One slot's matrices (views; made once per slot, the slab never moves)."""
@@ -57,6 +65,12 @@ class Bank:
         if p is None:
             p = self._by_slot[slot] = {m: {k: v[slot] for k, v in ps.items()} for m, ps in self.parts.items()}
         return p
+
+
+def _biased(y: torch.Tensor, parts: dict) -> torch.Tensor:
+    """y plus the matrix's bias when its record carries one (gpt-oss), in y's dtype."""
+    b = parts.get("bias")
+    return y if b is None else y + b.to(y.dtype)
 
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, Bank], torch.Tensor]
@@ -84,9 +98,9 @@ def expert_rows(x: torch.Tensor, parts: dict, bank: Bank) -> torch.Tensor:
     fmt, sh, dt = bank.fmt, bank.shapes, x.dtype
     if fmt.kernel_dtype is not None and dt != fmt.kernel_dtype:
         x = x.to(fmt.kernel_dtype)     # once per expert, not once per matrix
-    g = fmt.linear(x, parts["gate"], sh["gate"])
-    u = fmt.linear(x, parts["up"], sh["up"])
-    return fmt.linear(bank.activate(g, u), parts["down"], sh["down"]).to(dt)
+    g = _biased(fmt.linear(x, parts["gate"], sh["gate"]), parts["gate"])
+    u = _biased(fmt.linear(x, parts["up"], sh["up"]), parts["up"])
+    return _biased(fmt.linear(bank.activate(g, u), parts["down"], sh["down"]), parts["down"]).to(dt)
 
 
 def segments(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
@@ -122,7 +136,12 @@ def _gather(x: torch.Tensor, slots: torch.Tensor, bank: Bank, mv) -> torch.Tenso
         g, u = gu[:, :inter], gu[:, inter:]
     else:
         g, u = mv("gate", flat, xr), mv("up", flat, xr)
-    return mv("down", flat, bank.activate(g, u)).view(T, k, -1)
+    if not bank.bias:
+        return mv("down", flat, bank.activate(g, u)).view(T, k, -1)
+    b = {m: bank.parts[m]["bias"][flat] for m in MATRICES}
+    g, u = g + b["gate"].to(g.dtype), u + b["up"].to(u.dtype)
+    y = mv("down", flat, bank.activate(g, u))
+    return (y + b["down"].to(y.dtype)).view(T, k, -1)
 
 
 @register("float", "cuda")              # plain torch ops; on the CPU, one decode row goes through numba (cpu_rows)
@@ -159,8 +178,9 @@ def per_pair(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
     ys = []
     for s in slots[0].tolist():
         p = bank.slot_parts(s)
-        h = bank.activate(fmt.linear(xk, p["gate"], sh["gate"]), fmt.linear(xk, p["up"], sh["up"]))
-        ys.append(fmt.linear(h, p["down"], sh["down"]))
+        h = bank.activate(_biased(fmt.linear(xk, p["gate"], sh["gate"]), p["gate"]),
+                          _biased(fmt.linear(xk, p["up"], sh["up"]), p["up"]))
+        ys.append(_biased(fmt.linear(h, p["down"], sh["down"]), p["down"]))
     return torch.stack(ys, 1).to(dt)
 
 

@@ -234,8 +234,9 @@ def weighted_row(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
 
 
 def usable(bank) -> bool:
-    """Whether this bank's records can go through the numba pairs: q4 / q8 / bf16 / float32 records with SwiGLU."""
-    if bank.act is not None or bank.fmt.kind not in ("float", "q8", "q4"):
+    """Whether this bank's records can go through the numba pairs: q4 / q8 / bf16 / float32 records with SwiGLU and
+    no biases (gpt-oss's biased, clamped-GLU records take the torch kernels)."""
+    if bank.act is not None or getattr(bank, "bias", False) or bank.fmt.kind not in ("float", "q8", "q4"):
         return False
     if bank.fmt.kind == "float":
         dts = {bank.parts[m][""].dtype for m in ("gate", "up", "down")}

@@ -39,3 +39,10 @@ def sigmoid_grouped_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if norm_topk_prob:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     return w * scaling, idx
+
+
+def biased_topk_softmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int):
+    """gpt-oss: logits with a bias, top-k of the logits, softmax over those k only."""
+    logits = F.linear(_f32(x), _f32(weight), _f32(bias))
+    top, idx = torch.topk(logits, top_k, dim=-1)
+    return F.softmax(top, dim=-1), idx

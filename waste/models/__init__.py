@@ -1,27 +1,40 @@
-"""Model families: one module per family composing layers from the manifest's config."""
+"""Model families: one module per family composing layers from the manifest's config, each declaring its
+`FAMILY` record (models/family.py); `families()` is the registry every other place reads."""
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
+
 from ..errors import WasteError
-
-SUPPORTED = ("qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3", "kimi_k3")
-
-
-def check_family(family: str) -> None:
-    if family not in SUPPORTED:
-        raise WasteError(f"unsupported model family {family!r}; waste supports: {', '.join(SUPPORTED)}")
+from .family import Family
 
 
-def build_model(family: str, config: dict, trunk: dict, experts, dtype, f32_names=frozenset(), capacity=None,
+@functools.cache
+def families() -> dict[str, Family]:
+    """Every family, by name: the `FAMILY` of each module of this package (a new family is its module)."""
+    found: dict[str, Family] = {}
+    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        f = getattr(importlib.import_module(f"{__name__}.{m.name}"), "FAMILY", None)
+        if isinstance(f, Family):
+            if f.name in found:
+                raise RuntimeError(f"two modules declare the family {f.name!r}")
+            found[f.name] = f
+    return found
+
+
+def family(name: str) -> Family:
+    """The family a container names, refused by name when waste does not run it."""
+    found = families().get(name)
+    if found is None:
+        raise WasteError(f"unsupported model family {name!r}; waste supports: {', '.join(families())}")
+    return found
+
+
+def check_family(name: str) -> None:
+    family(name)
+
+
+def build_model(name: str, config: dict, trunk: dict, experts, dtype, f32_names=frozenset(), capacity=None,
                 device="cpu"):
-    check_family(family)
-    if family == "qwen3_moe":
-        from .qwen3_moe import Qwen3Moe as cls
-    elif family == "glm5_next":
-        from .glm5_next import Glm5Next as cls
-    elif family == "kimi_k3":
-        from .kimi_k3 import KimiK3 as cls
-    elif family == "deepseek_v3":
-        from .deepseek_v3 import DeepseekV3 as cls
-    else:
-        from .kimi_linear import KimiLinear as cls
-    return cls(config, trunk, experts, dtype, f32_names, capacity=capacity, device=device)
+    return family(name).model(config, trunk, experts, dtype, f32_names, capacity=capacity, device=device)

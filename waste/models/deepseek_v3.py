@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..layers.mla import MLACache, MLAConfig, mla_forward
 from ..layers.yarn import make_rope, softmax_mscale
 from .base import DecoderModel
+from .family import Family
 
 
 class DeepseekV3(DecoderModel):
@@ -24,3 +25,7 @@ class DeepseekV3(DecoderModel):
 
     def attend(self, i, x, state, positions, scratch):
         return mla_forward(x, self.attn_w[i], self.mla_cfg, state, positions)
+
+
+FAMILY = Family("deepseek_v3", DeepseekV3, "adapter_deepseek:DeepseekV3Adapter",
+                model_types=("deepseek_v3", "kimi_k2"), title="DeepSeek-V3 / R1, Kimi-K2")

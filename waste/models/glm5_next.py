@@ -14,6 +14,7 @@ from ..layers.kda import KDAConfig, KDAState, kda_forward
 from ..layers.mhc import MHCConfig, hc_expand, hc_mean, hc_merge, hc_split
 from ..layers.mla import MLAConfig
 from .base import DecoderModel
+from .family import Family
 
 
 class Glm5Next(DecoderModel):
@@ -70,3 +71,13 @@ class Glm5Next(DecoderModel):
 
     def stream_out(self, X):
         return hc_mean(X)
+
+
+def _features(cfg: dict) -> list[str]:
+    h = cfg["mhc"]
+    return [f"mHC: {h['hc_mult']} residual streams, Sinkhorn-projected mixing ({h['sinkhorn_iters']} "
+            f"iterations, eps {h['eps']:g}), mean collapse at the end"]
+
+
+FAMILY = Family("glm5_next", Glm5Next, "adapter_glm5:Glm5NextAdapter",
+                model_types=("glm5_next", "glm5_next_text"), chat="glm5", features=_features, title="GLM-5.3-Flash")

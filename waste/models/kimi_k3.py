@@ -15,6 +15,7 @@ from ..layers.mla import MLAConfig
 from ..layers.mlp import situ_mlp
 from ..layers.router import sigmoid_grouped_topk
 from .base import DecoderModel
+from .family import Family
 from .kimi_linear import KimiLinear
 
 
@@ -93,3 +94,12 @@ class _Stream:
 
     def __init__(self, x):
         self.blocks, self.scales, self.partial = [], [], x
+
+
+def _features(cfg: dict) -> list[str]:
+    return [f"attention residuals: each sublayer reads a softmax mix of the residual stream's block summaries "
+            f"(a block every {cfg['attn_res_block_size']} layers) and the current partial sum"]
+
+
+FAMILY = Family("kimi_k3", KimiK3, "adapter_kimi_k3:KimiK3Adapter",
+                model_types=("kimi_k3", "kimi_linear"), features=_features, title="Kimi K3")

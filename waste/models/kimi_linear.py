@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..layers.kda import KDAConfig, KDAState, kda_forward
 from ..layers.mla import MLACache, MLAConfig, mla_forward
 from .base import DecoderModel
+from .family import Family
 
 
 class KimiLinear(DecoderModel):
@@ -28,3 +29,7 @@ class KimiLinear(DecoderModel):
         if self.kinds[i] == "kda":
             return kda_forward(x, self.attn_w[i], self.kda_cfg, state)
         return mla_forward(x, self.attn_w[i], self.mla_cfg, state, positions)
+
+
+FAMILY = Family("kimi_linear", KimiLinear, "adapter_kimi_linear:KimiLinearAdapter",
+                chat="kimi", title="Kimi-Linear")

@@ -5,6 +5,7 @@ from ..layers.attention import GQAConfig, KVCache, gqa_forward
 from ..layers.rope import RopeTable
 from ..quant.linear import fuse_rows
 from .base import DecoderModel
+from .family import Family
 
 
 def fuse_qkv(w: dict) -> dict:
@@ -39,3 +40,7 @@ class Qwen3Moe(DecoderModel):
         if "rope" not in scratch:            # once per sequence and step, shared by every layer
             scratch["rope"] = (*self.rope.at(scratch["start"], x.shape[0]), self.rope.R)
         return gqa_forward(x, self.attn_w[i], self.attn_cfg, state, scratch["rope"])
+
+
+FAMILY = Family("qwen3_moe", Qwen3Moe, "adapter_qwen3_moe:Qwen3MoeAdapter",
+                chat="chatml", title="Qwen3-MoE")

@@ -72,16 +72,17 @@ def fuse_rows(ws: list):
     return QuantWeight(fmt, parts, (sum(w.shape[0] for w in ws), ws[0].shape[1]))
 
 
-# trunk matrices that stay in float whatever --trunk says: looked up (embeddings) or used as a raw tensor
-# (MLA's kv_b_proj is split per head in the absorbed decode path)
-KEEP_FLOAT_SUFFIXES = ("embed_tokens.weight", "kv_b_proj.weight")
+# trunk matrices that stay in float whatever --trunk says: looked up (embeddings); a family adds its own
+# (the adapter's keep_float: MLA's kv_b_proj is split per head in the absorbed decode path)
+KEEP_FLOAT_SUFFIXES = ("embed_tokens.weight",)
 
 
-def quantizable(name: str, shape, fmt) -> bool:
+def quantizable(name: str, shape, fmt, keep_float: tuple[str, ...] = ()) -> bool:
     """Does the trunk store this (non-float32) tensor in the quantized format `fmt`? The projections every
     family multiplies through `linear` (`*_proj.weight`, `*_proj_with_mqa.weight`, `lm_head.weight`)."""
     module = name.removesuffix(".weight").rsplit(".", 1)[-1]
-    return (len(shape) == 2 and min(shape) >= 16 and name.endswith(".weight") and not name.endswith(KEEP_FLOAT_SUFFIXES)
+    return (len(shape) == 2 and min(shape) >= 16 and name.endswith(".weight")
+            and not name.endswith(KEEP_FLOAT_SUFFIXES + tuple(keep_float))
             and (module.endswith(("proj", "proj_with_mqa")) or name == "lm_head.weight") and fmt.supports(tuple(shape)))
 
 

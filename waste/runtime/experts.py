@@ -61,10 +61,13 @@ def prepare_record(parts: dict[str, dict[str, torch.Tensor]], fmt, shapes: dict)
 
 def expert_act(moe: dict):
     """The routed experts' gated activation from the manifest's moe entry: None for SwiGLU (the default), or
-    (beta, linear_beta) for Kimi K3's SiTU-GLU (`expert_act: "situ_glu"`)."""
+    (beta, linear_beta) for Kimi K3's SiTU-GLU (`expert_act: "situ_glu"`), ("oai_glu", alpha, limit) for gpt-oss."""
     act = moe.get("expert_act", "swiglu")
     if act == "swiglu":
         return None
     if act == "situ_glu":
         return (moe.get("situ_beta", 1.0), moe.get("situ_linear_beta"))
-    raise WasteError(f"the container's expert activation {act!r} is not known to this waste (swiglu, situ_glu)")
+    if act == "oai_glu":        # gpt-oss
+        return ("oai_glu", float(moe["glu_alpha"]), float(moe["glu_limit"]))
+    raise WasteError(f"the container's expert activation {act!r} is not known to this waste "
+                     "(swiglu, situ_glu, oai_glu)")

@@ -115,6 +115,10 @@ def state_bytes(cfg: dict, context: int, dtype: torch.dtype) -> int:
             k = cfg["kda"]
             c = k["num_heads"] * k["head_dim"]
             total += k["num_heads"] * k["head_dim"] ** 2 * 4 + 3 * (k["conv_kernel"] - 1) * c * size
+        elif layer["attn"] == "gdn":          # Gated DeltaNet: S [Hv, dk, dv] in float32, one conv tail
+            n = cfg["gdn"]
+            c = 2 * n["num_k_heads"] * n["k_dim"] + n["num_v_heads"] * n["v_dim"]
+            total += n["num_v_heads"] * n["k_dim"] * n["v_dim"] * 4 + (n["conv_kernel"] - 1) * c * size
     return total
 
 

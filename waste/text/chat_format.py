@@ -60,12 +60,13 @@ _CHATML = {
     "stop": ["<|im_end|>", "<|endoftext|>"],
     "think": {"open": "<think>", "close": "</think>", "prompt": "none", "off": "<think>\n\n</think>\n\n", "history": "drop"},
 }
-_DEFAULTS = {"kimi_linear": _KIMI, "glm5_next": _GLM5, "qwen3_moe": _CHATML}
+# by name: a family's record (waste/models/family.py `chat`) says which one a release without a template gets
+CHAT_JSON = {"kimi": _KIMI, "glm5": _GLM5, "chatml": _CHATML}
 
 
-def default_chat_json(family: str) -> dict | None:
-    """The built-in chat.json for a model family, or None when we have none."""
-    found = _DEFAULTS.get(family)
+def default_chat_json(name: str | None) -> dict | None:
+    """A built-in chat.json by name (a copy), or None for None or a name we do not have."""
+    found = CHAT_JSON.get(name)
     return json.loads(json.dumps(found)) if found is not None else None
 
 

@@ -120,8 +120,10 @@ def chat_segments(tokenizer, template, messages, tools=None, documents=None, add
 
 def template_arguments_as_dicts(source: str) -> bool:
     """Whether a template iterates tool-call arguments as a mapping (GLM's `.items()`, Qwen-coder's
-    `|items`): the server then turns OpenAI's JSON-string arguments into dicts before rendering."""
-    return bool(re.search(r"arguments\s*\|\s*items|arguments\.items\(\)|_args\.items\(\)|arguments is mapping", source))
+    `|items`), or writes them with `|tojson` and never asks whether they are a string (gpt-oss: a string would be
+    written as a JSON string): the server then turns OpenAI's JSON-string arguments into dicts before rendering."""
+    return bool(re.search(r"arguments\s*\|\s*items|arguments\.items\(\)|_args\.items\(\)|arguments is mapping", source)
+                or (re.search(r"arguments\s*\|\s*tojson", source) and "is string" not in source))
 
 
 def prepare_messages(messages, arguments_as_dicts: bool) -> list[dict]:

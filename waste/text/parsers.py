@@ -10,32 +10,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from . import tool_calls
 
 
-class Content(NamedTuple):
-    text: str
-
-
-class Reasoning(NamedTuple):
-    text: str
-
-
-class ToolCall(NamedTuple):
-    """One call, whole: OpenAI's streaming delta for it is `as_delta()`."""
-
-    index: int
-    id: str
-    name: str
-    arguments: str  # a JSON object, as text
-
-    def as_delta(self) -> dict:
-        return {"index": self.index, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-    def as_openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+from .events import Content, Reasoning, ToolCall  # noqa: F401  (the parsers' events, importable from here)
 
 
 @dataclass(frozen=True)
@@ -74,6 +54,8 @@ MARKUPS = {
         ),  # fmt: skip
         strip_after_think=False,
     ),
+    # gpt-oss: messages with channel headers (text/harmony.py's parser reads them, not OutputParser)
+    "harmony": Markup("harmony", think=None, call_open=("to=functions.",), call_close="<|call|>"),
 }
 
 
@@ -192,9 +174,11 @@ def collect(events) -> dict:
     return {"content": content or None, "reasoning_content": reasoning or None, "tool_calls": calls or None}
 
 
-def markup_for(family: str | None = None, template: str | None = None) -> Markup:
-    """The output markup of a release: sniffed from its chat template, else known by family."""
+def markup_for(template: str | None = None) -> Markup:
+    """The output markup of a release, sniffed from its chat template (plain without one)."""
     if template:
+        if "<|channel|>" in template and "<|message|>" in template:
+            return MARKUPS["harmony"]
         if "<|open|>" in template and "<|sep|>" in template:
             return MARKUPS["xtml"]
         if any(m in template for m in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>", "<|im_middle|>")):
@@ -204,23 +188,27 @@ def markup_for(family: str | None = None, template: str | None = None) -> Markup
         if "<tool_call>" in template:
             return MARKUPS["hermes"] if "<think>" in template else _no_think(MARKUPS["hermes"])
         return MARKUPS["think"] if "<think>" in template else MARKUPS["plain"]
-    by_family = {
-        "kimi_k3": "xtml", "kimi_linear": "kimi_k2", "kimi_k2": "kimi_k2", "glm4_moe": "glm",
-        "glm_moe_dsa": "glm", "glm5_next": "glm", "qwen3_moe": "hermes", "qwen3_next": "hermes",
-    }  # fmt: skip
-    markup = MARKUPS[by_family.get(family, "plain")]
-    return _no_think(markup) if family == "kimi_linear" else markup
+    return MARKUPS["plain"]
 
 
-def parser_for(family=None, template=None, prompt=None, tools=None, id_factory=None, think=None) -> OutputParser:
+def parser_for(template=None, prompt=None, tools=None, id_factory=None, think=None) -> OutputParser:
     """A fresh parser for one reply. `prompt`: the rendered prompt, whose tail says whether the
     reasoning channel is already open; `think`: (open, close) from a chat.json, overriding."""
-    markup = markup_for(family, template)
+    markup = markup_for(template)
     if think is not None:
         markup = Markup(**{**markup.__dict__, "think": tuple(think)})
     opened = bool(prompt and markup.think and prompt.rstrip().endswith(markup.think[0]))
     kw = {"id_factory": id_factory} if id_factory else {}
-    return OutputParser(markup, tools=tools, start_in_reasoning=opened, **kw)
+    return new_parser(markup, tools=tools, start_in_reasoning=opened, **kw)
+
+
+def new_parser(markup: Markup, **kw):
+    """The parser a markup is read with: OutputParser, or harmony's own (its messages carry headers)."""
+    if markup.name == "harmony":
+        from .harmony import HarmonyParser
+
+        return HarmonyParser(markup, **kw)
+    return OutputParser(markup, **kw)
 
 
 def _no_think(m: Markup) -> Markup:
