@@ -133,9 +133,13 @@ def _load(a, model):
     from .engine import Engine
 
     model = _model(a, model)
-    return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
-                       preload=False if a.no_preload else None, experts_per_token=a.experts_per_token,
-                       device=a.device, prefetch=not a.no_prefetch)
+    ep = getattr(a, "ep", None)
+
+    def load():
+        return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
+                           preload=False if a.no_preload else None, experts_per_token=a.experts_per_token,
+                           device=a.device, prefetch=not a.no_prefetch, expert_parallel=ep)
+    return load() if ep is None else ep.load(load)
 
 
 def _engine_args(p):
@@ -155,6 +159,13 @@ def _engine_args(p):
     p.add_argument("--experts-per-token", type=int, default=None, metavar="K",
                    help="route each token to K experts instead of the release's number (fewer: faster, at a quality "
                         "cost; docs/LEARNED.md measures it)")
+    p.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+                   help="split the routed experts over N processes started by torchrun (`torchrun --nproc-per-node N "
+                        "-m waste VERB ... --expert-parallel N`): each holds the trunk and its share of the experts "
+                        "in its own budget (--budget is per process); rank 0 answers, the same bits as one process")
+    p.add_argument("--placement", default="id", metavar="id|trace:FILE",
+                   help="with --expert-parallel: experts in blocks of ids (default) or spread by the frequency "
+                        "measured in a routing trace (`waste bench --record-trace FILE`)")
 
 
 def _routing_top_k(verb: str):
@@ -214,9 +225,20 @@ def cmd_bench(a):
     try:
         r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing, profile=a.profile,
                   text=text, record_trace=a.record_trace)
+        if hasattr(eng.experts, "report"):       # --expert-parallel: rank 0's exchanges (all-to-all time)
+            r["expert_parallel"] = eng.experts.report()
     finally:
         eng.close()
-    print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
+    print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r) + _ep_lines(r)))
+
+
+def _ep_lines(r: dict) -> list[str]:
+    ep = r.get("expert_parallel")
+    if not ep:
+        return []
+    per = ep["exchange_seconds"] / ep["rounds"] * 1e3 if ep["rounds"] else 0.0
+    return [f"expert parallel {ep['processes']} processes ({ep['placement']} placement): {ep['rounds']} MoE-layer "
+            f"exchanges, {per:.2f} ms each (rows out, compute, pairs back), {_fmt_bytes(ep['bytes_sent'])} sent"]
 
 
 def cmd_route_diff(a):
@@ -569,6 +591,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dispatch(args) -> None:
+    """The verb; under --expert-parallel, on rank 0, while the other ranks answer its MoE layers."""
+    n = getattr(args, "expert_parallel", None)
+    if n is None:
+        return args.fn(args)
+    from .runtime.parallel import ExpertParallel
+
+    model = args.args[0] if args.verb == "run" and len(args.args) > 1 else getattr(args, "model", None)
+    if args.verb == "route-diff":
+        raise WasteError("waste route-diff has no --expert-parallel: compare the two containers in one process")
+    if _is_hub(model):
+        raise WasteError(f"--expert-parallel takes a local container: convert {model} first "
+                         f"(waste run {model} --convert-only prints its path)")
+    args.ep = ExpertParallel.start(n, args.placement, args.device)
+    try:
+        if args.ep.rank == 0:
+            args.fn(args)
+        else:
+            eng = _load(args, model)
+            try:
+                eng.experts.follow()
+            finally:
+                eng.close()
+    finally:
+        args.ep.close()
+
+
 def _uses_default(args) -> bool:
     if args.verb == "run":
         return len(args.args) == 1
@@ -585,7 +634,7 @@ def main(argv=None) -> int:
         print(f"waste: error: {e}", file=sys.stderr)
         return 1
     try:
-        args.fn(args)
+        _dispatch(args)
     except WasteError as e:
         from .errors import DamagedContainer
 
