@@ -187,6 +187,8 @@ def cmd_plan(a):
     if _is_hub(a.model):
         return _hub_plan(a)
     c = _open(model_path(a.model))
+    if a.expert_parallel is not None:
+        return _plan_ranks(a, c)
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
                     None if a.budget is None else parse_size(a.budget))
     if a.json:
@@ -200,6 +202,48 @@ def cmd_plan(a):
         print("\n".join(lines))
     if p.warning:
         print(f"waste: warning: {p.warning}", file=sys.stderr)
+
+
+def _plan_ranks(a, c):
+    """waste plan --expert-parallel N: every rank's experts, its share of the routed pairs (with a trace) and its
+    memory plan (the ranks on one machine split its memory)."""
+    from .runtime import parallel
+    from .runtime.dtype import resolve_dtype
+    from .runtime.plan import plan_memory
+    from .units import parse_size
+
+    n = a.expert_parallel
+    parallel.check_placement(a.placement)
+    layers, top_k = parallel.moe_layers(c), (c.config.get("moe") or {}).get("top_k")
+    owner = parallel.place(layers, n, a.placement, top_k)
+    shares = by_id = None
+    if a.placement.startswith("trace:"):
+        count = parallel.frequencies(layers, parallel.traces.load(a.placement[len("trace:"):]), top_k)
+        shares, peak = parallel.shares(owner, count, n)
+        by_id, peak_id = parallel.shares(parallel.place(layers, n, "id"), count, n)
+    ranks = []
+    for r in range(n):
+        per_layer = [o.count(r) for o in owner.values()]
+        p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
+                        None if a.budget is None else parse_size(a.budget), per_layer, n)
+        ranks.append({"rank": r, "experts_per_layer": per_layer, "pair_share": None if shares is None else shares[r],
+                      "plan": p.to_json(), "lines": p.lines()})
+    if a.json:
+        print(json.dumps({"expert_parallel": n, "placement": a.placement,
+                          "layer_peak": None if shares is None else peak,
+                          "by_id": None if shares is None else {"pair_share": by_id, "layer_peak": peak_id},
+                          "ranks": [{k: v for k, v in x.items() if k != "lines"} for x in ranks]}, indent=1))
+        return
+    print(f"expert parallel {n} processes on one machine ({a.placement} placement; "
+          f"torchrun --nproc-per-node {n} -m waste VERB ... --expert-parallel {n})")
+    if shares is not None:
+        print(f"routed pairs per rank in the trace: {' / '.join(f'{100 * s:.1f}%' for s in shares)}; busiest rank "
+              f"per layer {peak:.2f}x an even share (blocks of ids: "
+              f"{' / '.join(f'{100 * s:.1f}%' for s in by_id)}; {peak_id:.2f}x)")
+    for x in ranks:
+        e = x["experts_per_layer"]
+        print(f"-- rank {x['rank']}: {sum(e)} expert records ({min(e)} to {max(e)} per MoE layer)")
+        print("\n".join(x["lines"]))
 
 
 def cmd_bench(a):
@@ -545,6 +589,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--context", type=int, default=4096)
     pl.add_argument("--budget", default=None, help="check a budget instead of choosing one")
     pl.add_argument("--dtype", default="auto")
+    pl.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+                    help="plan every process of N (`--expert-parallel N` under torchrun): its experts and memory")
+    pl.add_argument("--placement", default="id", metavar="id|trace:FILE",
+                    help="with --expert-parallel: experts in blocks of ids (default) or spread by a routing trace's "
+                         "measured frequency (then each rank's share of the routed pairs is printed)")
     pl.set_defaults(fn=cmd_plan)
 
     b = sub.add_parser("bench", help="measure prefill and decode speed, cache hit rate and bytes read")
@@ -594,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _dispatch(args) -> None:
     """The verb; under --expert-parallel, on rank 0, while the other ranks answer its MoE layers."""
     n = getattr(args, "expert_parallel", None)
-    if n is None:
+    if n is None or args.verb == "plan":       # plan sizes the processes without being one of them
         return args.fn(args)
     from .runtime.parallel import ExpertParallel
 

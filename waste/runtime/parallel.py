@@ -48,8 +48,8 @@ def place(layers: dict[int, int], world: int, spec: str = "id", top_k: int | Non
                          f"{small} processes")
     if spec == "id":
         return {l: [e * world // n for e in range(n)] for l, n in layers.items()}
-    load = frequencies(layers, traces.load(spec[len("trace:"):]), top_k)
-    return {l: balance(load[l], world) for l in layers}
+    count, total = frequencies(layers, traces.load(spec[len("trace:"):]), top_k), [0] * world
+    return {l: balance(count[l], world, total) for l in layers}
 
 
 def frequencies(layers: dict[int, int], trace: dict, top_k: int | None) -> dict[int, list[int]]:
@@ -67,26 +67,33 @@ def frequencies(layers: dict[int, int], trace: dict, top_k: int | None) -> dict[
     return out
 
 
-def balance(count: list[int], world: int) -> list[int]:
-    """Each expert's rank: hottest first (ties by id) to the least-loaded rank with room (ties: lowest rank); every
-    rank gets n // world experts or one more."""
+def balance(count: list[int], world: int, total: list[int]) -> list[int]:
+    """One layer's experts' ranks: hottest first (ties by id) to the least-loaded rank with room, ties to the rank
+    with the least load over the layers placed so far (`total`, updated), then the lowest; every rank gets
+    n // world experts or one more."""
     n = len(count)
     room = [n // world + (r < n % world) for r in range(world)]
     load, owner = [0] * world, [0] * n
     for e in sorted(range(n), key=lambda e: (-count[e], e)):
-        r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], r))
+        r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], total[r], r))
         owner[e], room[r], load[r] = r, room[r] - 1, load[r] + count[e]
+    for r in range(world):
+        total[r] += load[r]
     return owner
 
 
-def shares(owner: dict[int, list[int]], count: dict[int, list[int]], world: int) -> list[float]:
-    """Each rank's share of the routed pairs, over all layers."""
-    load = [0] * world
+def shares(owner: dict[int, list[int]], count: dict[int, list[int]], world: int) -> tuple[list[float], float]:
+    """Each rank's share of the routed pairs over all layers, and the busiest rank's share per layer (the one a
+    layer's exchange waits for), averaged over layers, times world: 1.0 is an even split."""
+    load, peak = [0] * world, 0.0
     for l, o in owner.items():
+        here = [0] * world
         for e, r in enumerate(o):
-            load[r] += count[l][e]
+            here[r] += count[l][e]
+        load = [a + b for a, b in zip(load, here)]
+        peak += max(here) / (sum(here) or 1) * world / len(owner)
     total = sum(load) or 1
-    return [x / total for x in load]
+    return [x / total for x in load], peak
 
 
 def moe_layers(container) -> dict[int, int]:

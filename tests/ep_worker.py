@@ -1,0 +1,62 @@
+"""Run by tests/test_expert_parallel.py, both under torchrun (`--expert-parallel`: rank 0 writes what it computed)
+and in one process (the reference): the same forwards of each container, saved to OUT/NAME.pt.
+
+usage: python ep_worker.py OUT PLACEMENT [--expert-parallel N] NAME=CONTAINER[@BUDGET] ...
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from waste.engine import Engine
+from waste.quant.quality import greedy
+
+
+def outputs(eng) -> dict[str, torch.Tensor]:
+    m = eng.model
+    v = m.embed.shape[0]
+    ids = torch.randint(3, v, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = {"prefill": m.forward(torch.tensor(ids), m.new_state(), 0)}          # [T, V]: one row per token
+    out["greedy"] = torch.tensor(greedy(eng, ids[:6], 10))                     # prefill, then one row per step
+    # two sequences in one step (their rows batched into one exchange), then a decode step of both
+    a, b = m.new_state(), m.new_state()
+    first = m.step([(torch.tensor(ids[:7]), a, 0), (torch.tensor(ids[7:10]), b, 0)], last_only=False)
+    nxt = m.step([(torch.tensor([ids[11]]), a, 7), (torch.tensor([ids[12]]), b, 3)])
+    out.update(batch_a=first[0], batch_b=first[1], next_a=nxt[0], next_b=nxt[1])
+    return out
+
+
+def main(argv: list[str]) -> None:
+    out, placement, rest = Path(argv[0]), argv[1], argv[2:]
+    ep = None
+    if rest[0] == "--expert-parallel":
+        from waste.runtime.parallel import ExpertParallel
+
+        ep, rest = ExpertParallel.start(int(rest[1]), placement), rest[2:]
+    try:
+        for item in rest:
+            name, _, path = item.partition("=")
+            path, _, budget = path.partition("@")
+            load = lambda: Engine.load(path, dtype="float32", budget=budget or None, preload=not budget,  # noqa: E731
+                                       expert_parallel=ep)
+            eng = load() if ep is None else ep.load(load)
+            try:
+                if ep is not None and ep.rank != 0:
+                    eng.experts.follow()
+                    continue
+                res = outputs(eng)
+                res["misses"] = torch.tensor(eng.experts.stats.misses)
+                torch.save(res, out / f"{name}.pt")
+                if ep is not None:
+                    eng.experts.stop()
+            finally:
+                eng.close()
+    finally:
+        if ep is not None:
+            ep.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
