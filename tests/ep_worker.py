@@ -1,7 +1,7 @@
 """Run by tests/test_expert_parallel.py, both under torchrun (`--expert-parallel`: rank 0 writes what it computed)
 and in one process (the reference): the same forwards of each container, saved to OUT/NAME.pt.
 
-usage: python ep_worker.py OUT PLACEMENT [--expert-parallel N] NAME=CONTAINER[@BUDGET] ...
+usage: python ep_worker.py OUT [--expert-parallel N] NAME=CONTAINER[@BUDGET][+PLACEMENT] ...
 """
 from __future__ import annotations
 
@@ -28,31 +28,41 @@ def outputs(eng) -> dict[str, torch.Tensor]:
     return out
 
 
+def run_one(item: str, ep) -> dict | None:
+    """item NAME=CONTAINER[@BUDGET][+PLACEMENT]: its outputs (None on a rank other than 0, which answers rank 0's
+    MoE layers until it is done)."""
+    name, _, path = item.partition("=")
+    path, _, placement = path.partition("+")
+    path, _, budget = path.partition("@")
+    if ep is not None:
+        ep.placement = placement or "id"
+    load = lambda: Engine.load(path, dtype="float32", budget=budget or None, preload=not budget,  # noqa: E731
+                               expert_parallel=ep)
+    eng = load() if ep is None else ep.load(load)
+    try:
+        if ep is not None and ep.rank != 0:
+            eng.experts.follow()
+            return None
+        res = outputs(eng)
+        res["misses"], res["evictions"] = eng.experts.stats.misses, eng.experts.stats.evictions
+        if ep is not None:
+            eng.experts.stop()
+        return res
+    finally:
+        eng.close()
+
+
 def main(argv: list[str]) -> None:
-    out, placement, rest = Path(argv[0]), argv[1], argv[2:]
-    ep = None
+    out, rest, ep = Path(argv[0]), argv[1:], None
     if rest[0] == "--expert-parallel":
         from waste.runtime.parallel import ExpertParallel
 
-        ep, rest = ExpertParallel.start(int(rest[1]), placement), rest[2:]
+        ep, rest = ExpertParallel.start(int(rest[1])), rest[2:]
     try:
         for item in rest:
-            name, _, path = item.partition("=")
-            path, _, budget = path.partition("@")
-            load = lambda: Engine.load(path, dtype="float32", budget=budget or None, preload=not budget,  # noqa: E731
-                                       expert_parallel=ep)
-            eng = load() if ep is None else ep.load(load)
-            try:
-                if ep is not None and ep.rank != 0:
-                    eng.experts.follow()
-                    continue
-                res = outputs(eng)
-                res["misses"] = torch.tensor(eng.experts.stats.misses)
-                torch.save(res, out / f"{name}.pt")
-                if ep is not None:
-                    eng.experts.stop()
-            finally:
-                eng.close()
+            res = run_one(item, ep)
+            if res is not None:
+                torch.save(res, out / f"{item.partition('=')[0]}.pt")
     finally:
         if ep is not None:
             ep.close()
