@@ -87,21 +87,28 @@ def test_each_family_is_bit_identical_to_one_process(containers, tmp_path):
         torch.set_num_threads(threads)
 
 
-def test_cli_run_bench_and_plan(containers, tmp_path):
-    m = str(containers["qwen3_moe"])
+def test_cli_run_bench_and_plan(releases):
+    m = str(releases["qwen3_moe"][2])
     one = waste_cli("run", m, "hello world", "-n", "12", "--temperature", "0")
     assert one.returncode == 0, one.stderr
     two = torchrun("-m", "waste", "run", m, "hello world", "-n", "12", "--temperature", "0", "--expert-parallel", "2")
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout == one.stdout and len(one.stdout) > len("hello world\n")
 
-    b = torchrun("-m", "waste", "bench", m, "-n", "4", "--prompt-len", "8", "--json", "--expert-parallel", "2",
-                 "--placement", f"trace:{TRACE}")
+    bench = ("bench", m, "-n", "4", "--prompt-len", "8", "--json")
+    b = torchrun("-m", "waste", *bench, "--expert-parallel", "2", "--placement", f"trace:{TRACE}")
     assert b.returncode == 0, b.stderr[-3000:]
-    ep = json.loads(b.stdout)["expert_parallel"]
+    r, one = json.loads(b.stdout), json.loads(waste_cli(*bench).stdout)
+    ep = r["expert_parallel"]
     assert ep["processes"] == 2 and ep["placement"] == f"trace:{TRACE}"
-    n_moe = len(parallel.moe_layers(Engine.load(m, preload=False).container))
+    with Engine.load(m, preload=False) as eng:
+        n_moe = len(parallel.moe_layers(eng.container))
     assert ep["rounds"] == 5 * n_moe and ep["bytes_sent"] > 0           # one exchange per MoE layer per forward
+    # each rank made only its own experts resident: over the ranks, one process's distinct experts per layer call
+    assert [x["rank"] for x in ep["ranks"]] == [0, 1] and all(x["hits"] + x["misses"] > 0 for x in ep["ranks"])
+    assert sum(x["hits"] + x["misses"] for x in ep["ranks"]) == sum(one[p]["hits"] + one[p]["misses"]
+                                                                    for p in ("prefill", "decode"))
+    assert r["bank_bytes"] * 2 == one["bank_bytes"]
 
     p = waste_cli("plan", m, "--expert-parallel", "2", "--placement", f"trace:{TRACE}", "--json")
     assert p.returncode == 0, p.stderr
@@ -115,10 +122,10 @@ def test_cli_run_bench_and_plan(containers, tmp_path):
     assert 1 <= plan["layer_peak"] <= plan["by_id"]["layer_peak"]
 
 
-def test_serve_under_expert_parallel_answers_as_one_process(containers):
+def test_serve_under_expert_parallel_answers_as_one_process(releases):
     import httpx
 
-    m = str(containers["qwen3_moe"])
+    m = str(releases["qwen3_moe"][2])
     body = {"model": "m", "prompt": "hello", "max_tokens": 10, "temperature": 0}
     one = waste_cli("run", m, "hello", "-n", "10", "--temperature", "0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "waste",

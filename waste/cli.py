@@ -269,8 +269,8 @@ def cmd_bench(a):
     try:
         r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing, profile=a.profile,
                   text=text, record_trace=a.record_trace)
-        if hasattr(eng.experts, "report"):       # --expert-parallel: rank 0's exchanges (all-to-all time)
-            r["expert_parallel"] = eng.experts.report()
+        if hasattr(eng.experts, "rank_stats"):   # --expert-parallel: every rank's cache and exchanges
+            r["expert_parallel"] = {**eng.experts.report(), "ranks": eng.experts.rank_stats()}
     finally:
         eng.close()
     print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r) + _ep_lines(r)))
@@ -280,9 +280,14 @@ def _ep_lines(r: dict) -> list[str]:
     ep = r.get("expert_parallel")
     if not ep:
         return []
-    per = ep["exchange_seconds"] / ep["rounds"] * 1e3 if ep["rounds"] else 0.0
-    return [f"expert parallel {ep['processes']} processes ({ep['placement']} placement): {ep['rounds']} MoE-layer "
-            f"exchanges, {per:.2f} ms each (rows out, compute, pairs back), {_fmt_bytes(ep['bytes_sent'])} sent"]
+    n = max(ep["rounds"], 1)
+    lines = [f"expert parallel {ep['processes']} processes ({ep['placement']} placement): {ep['rounds']} MoE-layer "
+             f"exchanges of {ep['exchange_seconds'] / n * 1e3:.2f} ms (rows out, compute, pairs back), "
+             f"{ep['comm_seconds'] / n * 1e3:.2f} ms of it in all-to-all (waits for the slowest rank included)"]
+    for x in ep["ranks"]:
+        lines.append(f"  rank {x['rank']}: experts {x['hits']} hit / {x['misses']} miss, "
+                     f"{_fmt_bytes(x['bytes_read'])} read, {_fmt_bytes(x['bytes_sent'])} sent")
+    return lines
 
 
 def cmd_route_diff(a):

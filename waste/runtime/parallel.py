@@ -25,7 +25,7 @@ from ..errors import WasteError
 from ..layers.moe import expert_pairs, kernel_for, segments, weighted_sum
 from . import trace as traces
 
-IDLE, STOP = -1, -2                 # header tags besides a layer index
+IDLE, STOP, STATS = -1, -2, -3      # header tags besides a layer index
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -195,7 +195,8 @@ class ParallelExperts:
         self.local, self.group = local, group
         self.owner = {l: torch.tensor(o) for l, o in group.owner.items()}
         self.bank = self.kernel = None
-        self.calls, self.exchange_seconds, self.bytes_sent = 0, 0.0, 0
+        # rounds, their time, the part spent in the collectives (waiting for the slowest rank included), bytes sent
+        self.calls, self.exchange_seconds, self.comm_seconds, self.bytes_sent = 0, 0.0, 0.0, 0
         self.stopped = False
 
     def __getattr__(self, name):
@@ -219,6 +220,22 @@ class ParallelExperts:
         while self._round(None, [], []) is not None:
             pass
 
+    def rank_stats(self) -> list[dict]:
+        """Every rank's cache counters and exchange figures (rank 0 asks; the others answer from `follow`)."""
+        self._sizes(torch.tensor([[STATS, 0]] * self.group.world, dtype=torch.long))
+        return self._gather()
+
+    def _gather(self) -> list[dict]:
+        import dataclasses
+
+        import torch.distributed as dist
+
+        mine = {"rank": self.group.rank, **dataclasses.asdict(self.local.stats.snapshot()), **self.report()}
+        mine.pop("per_layer", None)
+        out = [None] * self.group.world
+        dist.all_gather_object(out, mine)
+        return out
+
     def stop(self) -> None:
         """The driver is done: the other ranks leave `follow`."""
         if not self.stopped and self.group.world > 1:
@@ -231,7 +248,7 @@ class ParallelExperts:
 
         dev = self.group._comm()
         out = torch.empty_like(header, device=dev)
-        dist.all_to_all_single(out, header.to(dev))
+        self._collective(dist.all_to_all_single, out, header.to(dev))
         return out.cpu()
 
     def _bytes(self, chunks: list[torch.Tensor], sizes_in: list[int]) -> torch.Tensor:
@@ -240,9 +257,17 @@ class ParallelExperts:
         dev = self.group._comm()
         send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(sum(sizes_in), dtype=torch.uint8, device=dev)
-        dist.all_to_all_single(out, send.to(dev), sizes_in, [c.numel() for c in chunks])
+        self._collective(dist.all_to_all_single, out, send.to(dev), sizes_in, [c.numel() for c in chunks])
         self.bytes_sent += send.numel()
         return out.cpu()
+
+    def _collective(self, fn, *args) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn(*args)
+        except RuntimeError as exc:      # a rank that stopped (its own error is above) closes its connections
+            raise WasteError(f"expert parallel: another process stopped ({str(exc).splitlines()[0]})") from None
+        self.comm_seconds += time.perf_counter() - t0
 
     def _round(self, layer, xs, ids):
         """One MoE layer across the ranks: send each rank the rows routed to its experts, compute the pairs this
@@ -269,6 +294,9 @@ class ParallelExperts:
         tags = got[:, 0].tolist()
         if STOP in tags:
             return None
+        if STATS in tags:
+            self._gather()
+            return []
         layer_here = max(tags)
         if layer_here < 0:
             raise RuntimeError("expert parallel: a round with no layer (no rank has rows)")
@@ -334,7 +362,8 @@ class ParallelExperts:
     def report(self) -> dict:
         """This rank's exchange counters (waste bench --expert-parallel)."""
         return {"processes": self.group.world, "placement": self.group.placement, "rounds": self.calls,
-                "exchange_seconds": self.exchange_seconds, "bytes_sent": self.bytes_sent}
+                "exchange_seconds": self.exchange_seconds, "comm_seconds": self.comm_seconds,
+                "bytes_sent": self.bytes_sent}
 
 
 def _pack(meta: list[int], ids: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:
