@@ -144,15 +144,13 @@ class ExpertParallel:
     def load(self, load):
         """load() (Engine.load with this group) on every rank, then agree: a rank that failed must not leave the others
         waiting in their first exchange."""
+        self.agreed = True
         try:
-            eng, ok = load(), True
+            eng = load()
         except BaseException:
-            eng, ok = None, False
-            self.agreed = True
             self.agree(False)
             raise
-        self.agreed = True
-        if not self.agree(ok):
+        if not self.agree(True):
             eng.close()
             self.experts = None
             raise WasteError("another process of --expert-parallel failed to load the model (its error is above)")
@@ -343,7 +341,7 @@ class ParallelExperts:
         union = torch.unique(torch.cat(union))
         dev = self.local.device
         pairs = [None] * len(work)
-        for slots, complete in self.local.resident(layer, [union]):
+        for slots, _ in self.local.resident(layer, [union]):
             lut = torch.full((len(owner),), -1, dtype=torch.long, device=slots[0].device)
             lut[union.to(lut.device)] = slots[0]
             for w, (_, T, x, i, m) in enumerate(work):
