@@ -1,7 +1,9 @@
 """Run by tests/test_expert_parallel.py, both under torchrun (`--expert-parallel`: rank 0 writes what it computed)
 and in one process (the reference): the same forwards of each container, saved to OUT/NAME.pt.
 
-usage: python ep_worker.py OUT [--expert-parallel N] NAME=CONTAINER[@BUDGET][+PLACEMENT] ...
+usage: python ep_worker.py OUT [--device cuda] [--expert-parallel N] NAME=CONTAINER[@BUDGET][+PLACEMENT] ...
+(on GPUs: `torchrun --nproc-per-node 2 tests/ep_worker.py OUT --device cuda --expert-parallel 2 ...` against
+`python tests/ep_worker.py OUT1 --device cuda ...`: NCCL, one GPU per process)
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def outputs(eng) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_one(item: str, ep) -> dict | None:
+def run_one(item: str, ep, device: str = "cpu") -> dict | None:
     """item NAME=CONTAINER[@BUDGET][+PLACEMENT]: its outputs (None on a rank other than 0, which answers rank 0's
     MoE layers until it is done)."""
     name, _, path = item.partition("=")
@@ -37,7 +39,7 @@ def run_one(item: str, ep) -> dict | None:
     if ep is not None:
         ep.placement = placement or "id"
     load = lambda: Engine.load(path, dtype="float32", budget=budget or None, preload=not budget,  # noqa: E731
-                               expert_parallel=ep)
+                               expert_parallel=ep, device=device)
     eng = load() if ep is None else ep.load(load)
     try:
         if ep is not None and ep.rank != 0:
@@ -53,14 +55,16 @@ def run_one(item: str, ep) -> dict | None:
 
 
 def main(argv: list[str]) -> None:
-    out, rest, ep = Path(argv[0]), argv[1:], None
+    out, rest, ep, device = Path(argv[0]), argv[1:], None, "cpu"
+    if rest[0] == "--device":
+        device, rest = rest[1], rest[2:]
     if rest[0] == "--expert-parallel":
         from waste.runtime.parallel import ExpertParallel
 
-        ep, rest = ExpertParallel.start(int(rest[1])), rest[2:]
+        ep, rest = ExpertParallel.start(int(rest[1]), device=device), rest[2:]
     try:
         for item in rest:
-            res = run_one(item, ep)
+            res = run_one(item, ep, device)
             if res is not None:
                 torch.save(res, out / f"{item.partition('=')[0]}.pt")
     finally:
