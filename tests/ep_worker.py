@@ -7,6 +7,7 @@ usage: python ep_worker.py OUT [--device cuda] [--expert-parallel N] NAME=CONTAI
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> None:
     if rest[0] == "--expert-parallel":
         from waste.runtime.parallel import ExpertParallel
 
-        ep, rest = ExpertParallel.start(int(rest[1]), device=device), rest[2:]
+        ep, rest = ExpertParallel.start(os.environ, int(rest[1]), device=device), rest[2:]
     try:
         for item in rest:
             res = run_one(item, ep, device)

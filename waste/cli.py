@@ -658,7 +658,7 @@ def _dispatch(args) -> None:
     if _is_hub(model):
         raise WasteError(f"--expert-parallel takes a local container: convert {model} first "
                          f"(waste run {model} --convert-only prints its path)")
-    args.ep = ExpertParallel.start(n, args.placement, args.device)
+    args.ep = ExpertParallel.start(os.environ, n, args.placement, args.device)
     try:
         if args.ep.rank == 0:
             args.fn(args)

@@ -15,7 +15,6 @@ so every rank holds the same number of experts and about the same share of the r
 """
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 
@@ -113,19 +112,20 @@ class ExpertParallel:
         self.agreed = False                              # the ranks have agreed that every one loaded
 
     @classmethod
-    def start(cls, n: int, placement: str = "id", device: str = "cpu") -> "ExpertParallel":
+    def start(cls, env, n: int, placement: str = "id", device: str = "cpu") -> "ExpertParallel":
+        """env: the environment torchrun set (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT)."""
         import torch.distributed as dist
 
-        world = int(os.environ.get("WORLD_SIZE", "0") or 0)
-        if world != n or "RANK" not in os.environ:
+        world = int(env.get("WORLD_SIZE", "0") or 0)
+        if world != n or "RANK" not in env:
             raise WasteError(f"--expert-parallel {n} runs as {n} processes started by torchrun: "
                              f"torchrun --nproc-per-node {n} -m waste VERB ... --expert-parallel {n}"
                              + (f" (this is {world} process(es))" if world else ""))
         check_placement(placement)
-        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", n))
+        rank, local = int(env["RANK"]), int(env.get("LOCAL_WORLD_SIZE", n))
         cuda = device.startswith("cuda") or device == "auto" and torch.cuda.is_available()
         if cuda:
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            device = f"cuda:{int(env.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
