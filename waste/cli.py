@@ -134,9 +134,13 @@ def _load(a, model):
     from .engine import Engine
 
     model = _model(a, model)
-    return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
-                       preload=False if a.no_preload else None, experts_per_token=a.experts_per_token,
-                       device=a.device, prefetch=not a.no_prefetch)
+    ep = getattr(a, "ep", None)
+
+    def load():
+        return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
+                           preload=False if a.no_preload else None, experts_per_token=a.experts_per_token,
+                           device=a.device, prefetch=not a.no_prefetch, expert_parallel=ep)
+    return load() if ep is None else ep.load(load)
 
 
 def _engine_args(p):
@@ -156,6 +160,13 @@ def _engine_args(p):
     p.add_argument("--experts-per-token", type=int, default=None, metavar="K",
                    help="route each token to K experts instead of the release's number (fewer: faster, at a quality "
                         "cost; docs/LEARNED.md measures it)")
+    p.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+                   help="split the routed experts over N processes started by torchrun (`torchrun --nproc-per-node N "
+                        "-m waste VERB ... --expert-parallel N`): each holds the trunk and its share of the experts "
+                        "in its own budget (--budget is per process); rank 0 answers, the same bits as one process")
+    p.add_argument("--placement", default="id", metavar="id|trace:FILE",
+                   help="with --expert-parallel: experts in blocks of ids (default) or spread by the frequency "
+                        "measured in a routing trace (`waste bench --record-trace FILE`)")
 
 
 def _routing_top_k(verb: str):
@@ -177,6 +188,8 @@ def cmd_plan(a):
     if _is_hub(a.model):
         return _hub_plan(a)
     c = _open(model_path(a.model))
+    if a.expert_parallel is not None:
+        return _plan_ranks(a, c)
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
                     None if a.budget is None else parse_size(a.budget))
     if a.json:
@@ -190,6 +203,48 @@ def cmd_plan(a):
         print("\n".join(lines))
     if p.warning:
         print(f"waste: warning: {p.warning}", file=sys.stderr)
+
+
+def _plan_ranks(a, c):
+    """waste plan --expert-parallel N: every rank's experts, its share of the routed pairs (with a trace) and its
+    memory plan (the ranks on one machine split its memory)."""
+    from .runtime import parallel
+    from .runtime.dtype import resolve_dtype
+    from .runtime.plan import plan_memory
+    from .units import parse_size
+
+    n = a.expert_parallel
+    parallel.check_placement(a.placement)
+    layers, top_k = parallel.moe_layers(c), (c.config.get("moe") or {}).get("top_k")
+    owner = parallel.place(layers, n, a.placement, top_k)
+    shares = by_id = None
+    if a.placement.startswith("trace:"):
+        count = parallel.frequencies(layers, parallel.traces.load(a.placement[len("trace:"):]), top_k)
+        shares, peak = parallel.shares(owner, count, n)
+        by_id, peak_id = parallel.shares(parallel.place(layers, n, "id"), count, n)
+    ranks = []
+    for r in range(n):
+        per_layer = [o.count(r) for o in owner.values()]
+        p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
+                        None if a.budget is None else parse_size(a.budget), per_layer, n)
+        ranks.append({"rank": r, "experts_per_layer": per_layer, "pair_share": None if shares is None else shares[r],
+                      "plan": p.to_json(), "lines": p.lines()})
+    if a.json:
+        print(json.dumps({"expert_parallel": n, "placement": a.placement,
+                          "layer_peak": None if shares is None else peak,
+                          "by_id": None if shares is None else {"pair_share": by_id, "layer_peak": peak_id},
+                          "ranks": [{k: v for k, v in x.items() if k != "lines"} for x in ranks]}, indent=1))
+        return
+    print(f"expert parallel {n} processes on one machine ({a.placement} placement; "
+          f"torchrun --nproc-per-node {n} -m waste VERB ... --expert-parallel {n})")
+    if shares is not None:
+        print(f"routed pairs per rank in the trace: {' / '.join(f'{100 * s:.1f}%' for s in shares)}; busiest rank "
+              f"per layer {peak:.2f}x an even share (blocks of ids: "
+              f"{' / '.join(f'{100 * s:.1f}%' for s in by_id)}; {peak_id:.2f}x)")
+    for x in ranks:
+        e = x["experts_per_layer"]
+        print(f"-- rank {x['rank']}: {sum(e)} expert records ({min(e)} to {max(e)} per MoE layer)")
+        print("\n".join(x["lines"]))
 
 
 def cmd_bench(a):
@@ -215,9 +270,25 @@ def cmd_bench(a):
     try:
         r = bench(eng, n=a.n, prompt_len=a.prompt_len, feed=a.feed, routing=a.routing, profile=a.profile,
                   text=text, record_trace=a.record_trace)
+        if hasattr(eng.experts, "rank_stats"):   # --expert-parallel: every rank's cache and exchanges
+            r["expert_parallel"] = {**eng.experts.report(), "ranks": eng.experts.rank_stats()}
     finally:
         eng.close()
-    print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
+    print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r) + _ep_lines(r)))
+
+
+def _ep_lines(r: dict) -> list[str]:
+    ep = r.get("expert_parallel")
+    if not ep:
+        return []
+    n = max(ep["rounds"], 1)
+    lines = [f"expert parallel {ep['processes']} processes ({ep['placement']} placement): {ep['rounds']} MoE-layer "
+             f"exchanges of {ep['exchange_seconds'] / n * 1e3:.2f} ms (rows out, compute, pairs back), "
+             f"{ep['comm_seconds'] / n * 1e3:.2f} ms of it in all-to-all (waits for the slowest rank included)"]
+    for x in ep["ranks"]:
+        lines.append(f"  rank {x['rank']}: experts {x['hits']} hit / {x['misses']} miss, "
+                     f"{_fmt_bytes(x['bytes_read'])} read, {_fmt_bytes(x['bytes_sent'])} sent")
+    return lines
 
 
 def cmd_route_diff(a):
@@ -524,6 +595,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--context", type=int, default=4096)
     pl.add_argument("--budget", default=None, help="check a budget instead of choosing one")
     pl.add_argument("--dtype", default="auto")
+    pl.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+                    help="plan every process of N (`--expert-parallel N` under torchrun): its experts and memory")
+    pl.add_argument("--placement", default="id", metavar="id|trace:FILE",
+                    help="with --expert-parallel: experts in blocks of ids (default) or spread by a routing trace's "
+                         "measured frequency (then each rank's share of the routed pairs is printed)")
     pl.set_defaults(fn=cmd_plan)
 
     b = sub.add_parser("bench", help="measure prefill and decode speed, cache hit rate and bytes read")
@@ -570,6 +646,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dispatch(args) -> None:
+    """The verb; under --expert-parallel, on rank 0, while the other ranks answer its MoE layers."""
+    n = getattr(args, "expert_parallel", None)
+    if n is None or args.verb == "plan":       # plan sizes the processes without being one of them
+        return args.fn(args)
+    from .runtime.parallel import ExpertParallel
+
+    model = args.args[0] if args.verb == "run" and len(args.args) > 1 else getattr(args, "model", None)
+    if args.verb == "route-diff":
+        raise WasteError("waste route-diff has no --expert-parallel: compare the two containers in one process")
+    if _is_hub(model):
+        raise WasteError(f"--expert-parallel takes a local container: convert {model} first "
+                         f"(waste run {model} --convert-only prints its path)")
+    args.ep = ExpertParallel.start(os.environ, n, args.placement, args.device)
+    try:
+        if args.ep.rank == 0:
+            args.fn(args)
+        else:
+            eng = _load(args, model)
+            try:
+                eng.experts.follow()
+            finally:
+                eng.close()
+    finally:
+        args.ep.close()
+
+
 def _uses_default(args) -> bool:
     if args.verb == "run":
         return len(args.args) == 1
@@ -586,7 +689,7 @@ def main(argv=None) -> int:
         print(f"waste: error: {e}", file=sys.stderr)
         return 1
     try:
-        args.fn(args)
+        _dispatch(args)
     except WasteError as e:
         from .errors import DamagedContainer
 

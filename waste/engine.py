@@ -225,14 +225,15 @@ class Engine:
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
              experts_per_token: int | None = None, dump_dsa: bool | None = None, device: str = "cpu",
-             prefetch: bool = True) -> "Engine":
+             prefetch: bool = True, expert_parallel=None) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
         WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). experts_per_token:
         route each token to this many experts instead of the release's number (1 .. that; a quality trade).
         dump_dsa (None follows WASTE_DUMP_DSA): print each DSA indexer selection to stderr (GLM-5.3).
         device: "cpu", or "cuda" (the trunk and the expert slab in GPU memory: the first step of the CUDA backend;
         float and q8 expert formats). prefetch: read the next MoE layer's predicted experts while this one
-        computes (the same bits either way)."""
+        computes (the same bits either way). expert_parallel: this process's runtime.parallel.ExpertParallel (it
+        holds and plans for its share of the experts; the others' are computed by their ranks)."""
         if preload is None:
             preload = os.environ.get("WASTE_PRELOAD", "1") != "0"
         if dump_dsa is None:
@@ -248,15 +249,21 @@ class Engine:
             dt = resolve_dtype(dtype, container)
             if experts_per_token is not None:
                 check_experts_per_token(container.config, experts_per_token)   # before the cache's fill thread
+            ep, owned = expert_parallel, None
+            if ep is not None:
+                owned = ep.owned(container)
             plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
-                               None if budget is None else parse_size(budget))
+                               None if budget is None else parse_size(budget),
+                               None if ep is None else [len(o) for o in owned.values()], ep.local_world if ep else 1)
             from .text.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(container.root)
             trunk = assemble_trunk(container.load_trunk(verify=verify), container.manifest["trunk"])
             dev = resolve_device(device)
             experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
-                                  direct=direct, device=dev, prefetch=prefetch)
+                                  direct=direct, device=dev, prefetch=prefetch, owned=owned)
+            if ep is not None:
+                experts = ep.store(experts)
             f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()
             model = build_model(container.family, container.config, trunk, experts, dt, f32, capacity=context,
                                 device=dev)

@@ -172,10 +172,12 @@ class DecoderModel:
             self.route_trace.extend((i, idx.clone()) for _, idx in routed)
         with timer.section("expert compute"):
             ins = [self.expert_in(i, x) for x in xs]
-            # computed group by group as the records land (the store reads the rest meanwhile)
-            ahead = None if hs is None else self.predict_next(i, hs)
-            groups = self.experts.resident(i, [idx for _, idx in routed], **({"ahead": ahead} if ahead else {}))
-            ys = routed_groups(ins, [w for w, _ in routed], groups, self.bank, self.kernel)
+            if hasattr(self.experts, "exchange"):     # expert parallel (runtime/parallel.py): the owners compute
+                ys = self.experts.exchange(i, ins, routed)
+            else:   # computed group by group as the records land (the store reads the rest meanwhile)
+                ahead = None if hs is None else self.predict_next(i, hs)
+                groups = self.experts.resident(i, [idx for _, idx in routed], **({"ahead": ahead} if ahead else {}))
+                ys = routed_groups(ins, [w for w, _ in routed], groups, self.bank, self.kernel)
             ys = [self.expert_out(i, y) for y in ys]
         if self.moe.get("num_shared_experts"):
             with timer.section("trunk matvec"):

@@ -37,7 +37,7 @@ class ExpertCache:
     def __init__(self, container: Container, budget_bytes: int | None, dtype: torch.dtype, threads: int = 4,
                  preload: bool = True, verify: bool = True, direct: bool = True,
                  half_life: float | None = None, device: str = "cpu",
-                 prefetch: bool = True):
+                 prefetch: bool = True, owned: dict[int, list[int]] | None = None):
         ex, cfg = container.manifest["experts"], container.config
         self.device = torch.device(device)
         self.banks = container.banks
@@ -52,7 +52,9 @@ class ExpertCache:
         self.swiglu_limit = cfg.get("swiglu_limit")    # clamped SwiGLU (GLM-5.3): the experts' activation
         self.act = expert_act(moe)                     # SiTU-GLU (K3), else None: SwiGLU
         self.dtype, self.verify = dtype, verify
-        self.n_records = sum(b.num_experts for b in self.banks.values())
+        # owned: layer -> the experts this store holds (expert parallel: this rank's share), else all of them
+        self.owned = owned or {l: range(b.num_experts) for l, b in self.banks.items()}
+        self.n_records = sum(len(self.owned.get(l, ())) for l in self.banks)
         bank_bytes = self.n_records * self.record_bytes
         budget = bank_bytes if budget_bytes is None else min(budget_bytes, bank_bytes)
         self.n_slots = budget // self.record_bytes if self.record_bytes else 0
@@ -153,7 +155,7 @@ class ExpertCache:
     # -- background fill ---------------------------------------------------------------------------
     def _fill(self) -> None:
         for layer in sorted(self.banks):
-            for e in range(self.banks[layer].num_experts):
+            for e in self.owned.get(layer, ()):
                 if self._stop.is_set():
                     return
                 key = (layer, e)

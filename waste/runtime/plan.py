@@ -170,14 +170,18 @@ class MemoryPlan:
 
 
 def plan_memory(container: Container, dtype: torch.dtype, context: int = 4096, ram: int | None = None,
-                budget: int | None = None) -> MemoryPlan:
+                budget: int | None = None, experts_per_layer: list[int] | None = None, share: int = 1) -> MemoryPlan:
+    """experts_per_layer: the experts this process holds per MoE layer; share: processes sharing this machine's
+    memory (expert parallel: its rank's share of the experts and of the host)."""
     ex = container.manifest["experts"]
-    return plan_from_sizes(container.config, ex["record_bytes"], [i["num_experts"] for i in ex["layers"].values()],
-                           trunk_resident_bytes(container, dtype), dtype, context, ram, budget)
+    per_layer = experts_per_layer or [i["num_experts"] for i in ex["layers"].values()]
+    return plan_from_sizes(container.config, ex["record_bytes"], per_layer,
+                           trunk_resident_bytes(container, dtype), dtype, context, ram, budget, share)
 
 
 def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk: int, dtype: torch.dtype,
-                    context: int = 4096, ram: int | None = None, budget: int | None = None) -> MemoryPlan:
+                    context: int = 4096, ram: int | None = None, budget: int | None = None,
+                    share: int = 1) -> MemoryPlan:
     """The plan from the normalised config and sizes alone (waste/hub plans a release before downloading it)."""
     moe = cfg.get("moe") or {}
     n_moe = len(experts_per_layer)
@@ -188,6 +192,8 @@ def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk:
     else:
         total, limit = ram_bytes(), cgroup_limit()
         usable, source = (limit, "cgroup limit") if limit and limit < total else (total, "RAM")
+    if share > 1:     # expert parallel: the processes on one host split its memory
+        usable, source = usable // share, f"{source} / {share} processes"
     ceiling = int(usable * CEILING)
     st = state_bytes(cfg, context, dtype)
     scratch = scratch_bytes(cfg, context, dtype, record)
