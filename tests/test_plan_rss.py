@@ -45,10 +45,22 @@ def _qwen3_next():        # one DeltaNet layer, three full-attention ones: the s
     return qwen3_next_model(layer_types=["linear_attention"] + ["full_attention"] * 3)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3", "gpt_oss", "qwen3_next"])
+def _mixtral():
+    from test_oracle_mixtral import mixtral_model
+    return mixtral_model()
+
+
+def _glm4():
+    from test_oracle_glm4_moe import glm4_moe_model
+    return glm4_moe_model()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3", "gpt_oss", "qwen3_next",
+                                    "mixtral", "glm4_moe"])
 def test_plan_floor_is_within_10_percent_of_peak_rss(family, tmp_path):
     build = {"qwen3_moe": qwen3_moe_model, "kimi_linear": kimi_linear_model, "glm5_next": _glm5,
-             "deepseek_v3": _deepseek, "gpt_oss": _gpt_oss, "qwen3_next": _qwen3_next}[family]
+             "deepseek_v3": _deepseek, "gpt_oss": _gpt_oss, "qwen3_next": _qwen3_next, "mixtral": _mixtral,
+             "glm4_moe": _glm4}[family]
     src = save_release(build(), tmp_path / "src")
     out = convert(src, tmp_path / "m.waste", experts="bf16", trunk="bf16", progress=False)
     r = subprocess.run([sys.executable, "-c", MEASURE, str(out), str(CONTEXT)], capture_output=True, text=True,

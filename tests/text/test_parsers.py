@@ -201,3 +201,17 @@ def test_parser_from_each_shipped_template():
             assert markup.name == expect[path.stem], path.stem
     assert markup_for(template=(TEMPLATES / "moonshotai-Kimi-K2.jinja").read_text()).think is None
     assert markup_for(template=(TEMPLATES / "moonshotai-Kimi-K2-Thinking.jinja").read_text()).think == ("<think>", "</think>")
+
+
+def test_whitespace_before_the_first_think_is_not_content():
+    """GLM-4.5 / 4.6 open a reply with "\\n<think>": that newline is neither content nor reasoning, whether the
+    text comes whole or a character at a time; whitespace followed by anything else is kept."""
+    text = '\n<think>Add them.</think>\nIt is 4.'
+    whole = parse_output(OutputParser(MARKUPS["glm"]), text)
+    p = OutputParser(MARKUPS["glm"])
+    pieces = collect([e for ch in text for e in p.feed(ch)] + p.finish())
+    assert whole == pieces == {"content": "It is 4.", "reasoning_content": "Add them.", "tool_calls": None}
+    assert parse_output(OutputParser(MARKUPS["glm"]), "\n It is 4.")["content"] == "\n It is 4."
+    assert parse_output(OutputParser(MARKUPS["glm"]), "\n\n")["content"] == "\n\n"
+    call = parse_output(OutputParser(MARKUPS["glm"]), "\n<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>")
+    assert call["content"] == "\n" and call["tool_calls"][0]["function"]["name"] == "f"

@@ -1,4 +1,5 @@
-"""Grouped-query attention with RoPE and optional per-head q/k RMSNorm (Qwen3), over a growing KV cache."""
+"""Grouped-query attention with RoPE (full or partial) and optional per-head q/k RMSNorm (Qwen3), over a growing KV
+cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..quant.linear import linear
 from . import attention_cpu
 from .norm import rms_norm
-from .rope import apply_rope, apply_rope_table, rope_cos_sin
+from .rope import apply_rope, apply_rope_table, rope_cos_sin, rotate_half_matrix
 from .rows import Rows
 
 _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -24,6 +25,7 @@ class GQAConfig:
     rope_theta: float
     qk_norm: bool
     eps: float
+    rotary_dim: int | None = None     # partial rotary: only the first rotary_dim dimensions of a head rotate
 
 
 class KVCache:
@@ -124,8 +126,12 @@ def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, rope):
         cos, sin, R = rope
         q, k = apply_rope_table(q, cos, sin, R), apply_rope_table(k, cos, sin, R)
     else:
-        cos, sin = rope_cos_sin(rope, d, cfg.rope_theta, x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, sin = rope_cos_sin(rope, d, cfg.rope_theta, x.dtype, cfg.rotary_dim)
+        if cfg.rotary_dim and cfg.rotary_dim < d:
+            R, cos, sin = rotate_half_matrix(d, x.dtype, x.device, cfg.rotary_dim), cos[:, None], sin[:, None]
+            q, k = apply_rope_table(q, cos, sin, R), apply_rope_table(k, cos, sin, R)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     start = len(cache)
     cache = cache.append(k, v)
     o = sdpa_attend(q, cache.k, cache.v, start)

@@ -76,6 +76,9 @@ class OutputParser:
         self._index = 0
         self._strip = self._mode == "reasoning" and self.markup.strip_after_think
         self._trail = ""  # reasoning's trailing whitespace, dropped if </think> follows it
+        # whitespace opening a reply is held until we know whether <think> follows it (GLM-4.5 / 4.6 write
+        # "\n<think>"): dropped if it does, content if anything else comes first
+        self._lead = "" if self._mode == "content" and self.markup.think else None
 
     def feed(self, text: str) -> list:
         self._buf += text
@@ -89,6 +92,8 @@ class OutputParser:
             self._call, self._mode = "", "content"
         else:
             events += self._emit(Reasoning if self._mode == "reasoning" else Content, rest)
+        if self._lead:          # a reply of whitespace alone: it is the content
+            events += self._emit(Content, self._lead, release=True)
         return events
 
     def _markers(self) -> list[str]:
@@ -124,11 +129,13 @@ class OutputParser:
     def _on_marker(self, marker: str) -> list:
         m = self.markup
         if self._mode == "content" and m.think and marker == m.think[0]:
-            self._mode, self._strip = "reasoning", m.strip_after_think
+            self._mode, self._strip, self._lead = "reasoning", m.strip_after_think, None
         elif self._mode == "reasoning":
             self._mode, self._strip, self._trail = "content", m.strip_after_think, ""
         elif self._mode == "content" and marker in m.call_open:
+            held = self._emit(Content, self._lead, release=True) if self._lead else []
             self._mode, self._call, self._opened = "call", marker, marker
+            return held
         elif self._mode == "call":
             return self._close_call(marker)
         return []  # swallowed structure
@@ -150,7 +157,14 @@ class OutputParser:
             return []
         return self._emit(Reasoning if self._mode == "reasoning" else Content, text)
 
-    def _emit(self, kind, text: str) -> list:
+    def _emit(self, kind, text: str, release: bool = False) -> list:
+        if kind is Content and self._lead is not None and not release:
+            if not text.strip():
+                self._lead += text
+                return []
+            text, self._lead = self._lead + text, None
+        if release:
+            self._lead = None
         if kind is Reasoning and self.markup.strip_after_think:
             text = self._trail + text
             body = text.rstrip()
