@@ -116,7 +116,7 @@ def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, rope):
         n, grown = len(cache), KVCache.__new__(KVCache)
         (kb, grown._k), (vb, grown._v) = cache._k.claim(1), cache._v.claim(1)
         o = attention_cpu.gqa_row(qkv, H, KV, w.get("q_norm.weight") if cfg.qk_norm else None,
-                                  w.get("k_norm.weight"), cfg.eps, rope[0], rope[1], kb, vb, n)
+                                  w.get("k_norm.weight"), cfg.eps, rope[0], rope[1], kb, vb, n, cfg.rotary_dim)
         return linear(o, w["o_proj.weight"]), grown
     q, k, v = qkv.view(T, H + 2 * KV, d).split((H, KV, KV), dim=1)
     if cfg.qk_norm:

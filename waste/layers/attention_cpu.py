@@ -25,9 +25,9 @@ def _kernel():
     f32 = np.float32
 
     @numba.njit(fastmath=True, inline="always")
-    def norm_rope(src, w, use_norm, eps, cos, sin, dst, tmp):   # dst = rope(norm(src))
+    def norm_rope(src, w, use_norm, eps, cos, sin, rot, dst, tmp):   # dst = rope(norm(src)), the first rot dims
         d = src.shape[0]
-        half = d // 2
+        half = rot // 2
         r = np.float32(1.0)
         if use_norm:
             ss = np.float32(0.0)
@@ -39,16 +39,18 @@ def _kernel():
         for i in range(half):
             dst[i] = tmp[i] * cos[i] - tmp[half + i] * sin[i]
             dst[half + i] = tmp[half + i] * cos[half + i] + tmp[i] * sin[half + i]
+        for i in range(rot, d):            # partial rotary: the rest of the head passes through
+            dst[i] = tmp[i]
 
     @numba.njit(fastmath=True, cache=True)
-    def gqa_row(qkv_p, H, G, d, qn_p, kn_p, use_norm, eps, cos_p, sin_p, k_p, v_p, cap, n, out):
+    def gqa_row(qkv_p, H, G, d, rot, qn_p, kn_p, use_norm, eps, cos_p, sin_p, k_p, v_p, cap, n, out):
         qkv = _at(qkv_p, (H + 2 * G, d), f32)
         qn, kn = _at(qn_p, (d,), f32), _at(kn_p, (d,), f32)
         cos, sin = _at(cos_p, (d,), f32), _at(sin_p, (d,), f32)
         K, V = _at(k_p, (cap, G, d), f32), _at(v_p, (cap, G, d), f32)
         tmp, q = np.empty(d, np.float32), np.empty(d, np.float32)
         for g in range(G):
-            norm_rope(qkv[H + g], kn, use_norm, eps, cos, sin, K[n, g], tmp)
+            norm_rope(qkv[H + g], kn, use_norm, eps, cos, sin, rot, K[n, g], tmp)
             src, dst = qkv[H + G + g], V[n, g]
             for i in range(d):
                 dst[i] = src[i]
@@ -56,7 +58,7 @@ def _kernel():
         scores = np.empty(n + 1, np.float32)
         rep = H // G
         for h in range(H):
-            norm_rope(qkv[h], qn, use_norm, eps, cos, sin, q, tmp)
+            norm_rope(qkv[h], qn, use_norm, eps, cos, sin, rot, q, tmp)
             g = h // rep
             m = -np.inf
             for t in range(n + 1):
@@ -91,15 +93,16 @@ def usable(qkv: torch.Tensor, k_buf: torch.Tensor) -> bool:
 
 
 def gqa_row(qkv: torch.Tensor, H: int, G: int, q_norm, k_norm, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-            k_buf: torch.Tensor, v_buf: torch.Tensor, n: int) -> torch.Tensor:
+            k_buf: torch.Tensor, v_buf: torch.Tensor, n: int, rotary_dim: int | None = None) -> torch.Tensor:
     """qkv [1, (H + 2G) * d] of the row at position n -> its attention output [1, H * d]; writes its key (normed,
     rotated) and value into row n of k_buf / v_buf [capacity, G, d] (contiguous). cos / sin: the position's [d]
-    tables (contiguous views); q_norm / k_norm [d] or None."""
+    tables (contiguous views); q_norm / k_norm [d] or None; rotary_dim: partial rotary (the first rotary_dim
+    dimensions of each head rotate, the rest pass)."""
     d = k_buf.shape[-1]
     out = np.empty((1, H * d), np.float32)
     use_norm = q_norm is not None
     qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
-    _kernel()(qkv.data_ptr(), H, G, d, q_norm.data_ptr() if use_norm else 0, k_norm.data_ptr() if use_norm else 0,
+    _kernel()(qkv.data_ptr(), H, G, d, rotary_dim or d, q_norm.data_ptr() if use_norm else 0, k_norm.data_ptr() if use_norm else 0,
               use_norm, np.float32(eps), cos.data_ptr(), sin.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
               k_buf.shape[0], n, out.reshape(H, d))
     return torch.from_numpy(out)
