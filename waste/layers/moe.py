@@ -65,10 +65,21 @@ def register(kind: str, device: str):
 def kernel_for(fmt, device: torch.device | str) -> Kernel:
     """The pairs kernel for this format on this device: its own, else its kind's (float / q8), else segments."""
     dev = torch.device(device).type
+    if dev == "cuda":
+        cuda_kernels()          # registers layers/moe_triton.py's kernels (slots read in place) where triton imports
     for key in ((fmt.name, dev), (fmt.kind or fmt.name, dev)):
         if key in _KERNELS:
             return _KERNELS[key]
     return segments
+
+
+def cuda_kernels() -> bool:
+    """Whether the triton kernels of layers/moe_triton.py are available (imported and registered on first ask)."""
+    try:
+        from . import moe_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def expert_rows(x: torch.Tensor, parts: dict, bank: Bank) -> torch.Tensor:
@@ -173,7 +184,7 @@ def expert_pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, kernel: Kerne
     """Each pair's expert output [T, k, h] (unweighted). complete=False: some slots are -1 (another group of the
     layer's experts holds them); their pairs are left zero. Every kernel is exact per pair whatever else is in the
     call, so a pair computes to the same bits in whichever group its expert lands."""
-    if complete:
+    if complete or getattr(kernel, "any_slots", False):     # (moe_triton: exact per pair, -1 pairs left zero)
         return kernel(x, slots, bank)
     if slots.shape[0] != 1:
         return segments(x, slots, bank)        # one matmul per expert over all its rows: the same in any group

@@ -22,6 +22,7 @@ from ..layers.norm import rms_norm
 from ..layers.router import sigmoid_grouped_topk, softmax_topk
 from ..quant.linear import linear
 from ..timing import NO_TIMER
+from .graphs import MlpGraphs
 
 
 def _on_device(t, dtype, device: torch.device):
@@ -66,6 +67,8 @@ class DecoderModel:
         make_bank = getattr(experts, "make_bank", None)
         self.bank = make_bank(self.device) if make_bank is not None and self.moe else None
         self.kernel = kernel_for(self.bank.fmt, self.device) if self.bank is not None else None
+        # a GPU decode step replays each MoE layer's MLP as a CUDA graph once every expert is resident (graphs.py)
+        self.graphs = MlpGraphs(self) if self.device.type == "cuda" and self.bank is not None else None
         self._pool: list[list] = []             # states of finished sequences, emptied (take_state)
         self._pool_lock = threading.Lock()
 
@@ -165,6 +168,10 @@ class DecoderModel:
         if self.dense[i]:
             with timer.section("trunk matvec"):
                 return [self.ffn(x, lw, "mlp.") for x in xs]
+        if self.graphs is not None and len(xs) == 1:
+            y = self.graphs.mlp(i, xs[0])
+            if y is not None:
+                return [y]
         with timer.section("router"):
             route = self.route if self.router is None else self.router
             routed = [route(i, x) for x in xs]

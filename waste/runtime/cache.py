@@ -25,7 +25,7 @@ from ..errors import WasteError
 from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
 from ..container.bank import _DTYPES
-from ..layers.moe import MATRICES, Bank
+from ..layers.moe import MATRICES, Bank, cuda_kernels
 from .experts import ExpertStats, expert_act, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
 
@@ -66,6 +66,7 @@ class ExpertCache:
         self.dev_slab = (torch.empty(self.n_slots * self.record_bytes, dtype=torch.uint8, device=self.device)
                          if self.device.type != "cpu" else None)
         self._dirty: set[int] = set()
+        self._dev_map: torch.Tensor | None = None      # device_map()
         self.slot_of: dict[tuple[int, int], int] = {}
         self.key_of: list[tuple[int, int] | None] = [None] * self.n_slots
         self.free = list(range(self.n_slots - 1, -1, -1))
@@ -183,9 +184,11 @@ class ExpertCache:
         on a GPU, views of its mirror."""
         if torch.device(device).type != self.device.type:
             raise ValueError(f"the expert store holds its slab for {self.device}, not {device}")
-        if self.dev_slab is not None and self.fmt.kind not in ("float", "q8"):
-            raise WasteError(f"--device {self.device.type}: experts stored as {self.format} have no GPU kernel yet "
-                             f"(bf16, f16, f32 and q8 do): convert with --experts bf16 or q8, or use --device cpu")
+        kind = self.fmt.kind or self.fmt.name
+        if self.dev_slab is not None and not (kind in ("float", "q8") or (kind in ("q4", "mxfp4") and cuda_kernels())):
+            raise WasteError(f"--device {self.device.type}: experts stored as {self.format} have no GPU kernel "
+                             f"(bf16, f16, f32 and q8 do; q4 and mxfp4 with triton installed): convert with "
+                             f"--experts bf16 or q8, install triton, or use --device cpu")
         slab = self.slab if self.dev_slab is None else self.dev_slab
         rows = slab.view(max(self.n_slots, 1), self.record_bytes) if self.n_slots else None
         parts: dict[str, dict[str, torch.Tensor]] = {m: {} for m in MATRICES}
@@ -212,6 +215,14 @@ class ExpertCache:
         is made resident in rounds of at most n_slots experts, each streamed the same way."""
         if self.damage is not None:
             raise self.damage
+        dev_map = self.device_map()
+        if dev_map is not None and len(idxs) == 1 and idxs[0].shape[0] == 1 and idxs[0].device.type != "cpu":
+            # every record is in the GPU's slab and none is ever evicted: the slots are looked up on the GPU, no
+            # host sync (one row's top-k ids are distinct: k hits)
+            self.count_hits(layer, idxs[0].numel())
+            yield [dev_map[layer][idxs[0]]], True
+            self.policy.advance(self.step)
+            return
         # the union on the host, through numpy: the ids are needed there anyway (which records to read)
         on_host = [i if i.device.type == "cpu" else i.cpu() for i in idxs]
         union = np.unique(np.concatenate([i.numpy().ravel() for i in on_host])).tolist()
@@ -243,6 +254,21 @@ class ExpertCache:
                 lut[landed] = self.slot_map[layer, landed]
                 yield self._to_device([lut[i] for i in on_host]), False
         self.policy.advance(self.step)
+
+    def device_map(self) -> torch.Tensor | None:
+        """On a GPU, once the whole bank sits in the slab (the background fill done): the expert -> slot table in
+        GPU memory (fixed from then on: nothing is evicted when the bank fits), else None."""
+        if self._dev_map is None and self.dev_slab is not None and self.fits and self.n_records and \
+                len(self.slot_of) == self.n_records and not self.loading:
+            self._flush()
+            self._dev_map = self.slot_map.to(self.device)
+        return self._dev_map
+
+    def count_hits(self, layer: int, n: int) -> None:
+        """n experts of this layer used from the slab (the GPU paths that never look at the ids on the host)."""
+        self.stats.hits += n
+        pl = self.stats.per_layer.setdefault(layer, [0, 0])
+        pl[0] += n
 
     def _to_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
         return slots if self.device.type == "cpu" else [s.to(self.device) for s in slots]

@@ -1,0 +1,224 @@
+"""Triton kernels for a MoE layer's routed experts on a GPU, read in place from the expert slab's slots.
+
+layers/moe.py's registry picks these for ("float" | "q8" | "q4" | "mxfp4", "cuda") when triton imports. One row
+(decode) against its k pairs: one launch computes every pair's gate and up rows (the slot ids are read on the GPU,
+so no host sync and no gathered copy of a matrix), the activation is the bank's own (torch), and one launch computes
+every pair's down rows. Each program owns one pair and BN output rows and loops over K, accumulating in float32, so
+a pair's result does not depend on the other pairs in the call (moe.py's exactness rule). Layouts (docs/FORMAT.md):
+  float  W [slots, N, K]                                       y = W x
+  q8     q int8 [slots, N, K], scale f32 [slots, N]             y = (q x) * scale
+  q4     q uint8 [slots, N, K/2] (int4pack's 64-row blocks), sz bf16 [slots, K/g, N, 2]: W = (q - 8) s + z
+  mxfp4  blocks uint8 [slots, N, K/2] (low nibble = even k), scales uint8 [slots, N, K/32]: W = E2M1 * 2^(e-127)
+Float formats with more than one row (prefill) go through moe.segments: one matmul per distinct expert does
+better there; the packed formats have no torch GPU matmul, so their prefill pairs run here too (each reads its expert).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.lowbit import E2M1
+from .moe import Bank, register, segments
+
+BN = 16           # output rows per program: decode's grids are (pairs, N / BN), enough programs for 132 SMs
+BK = 128          # columns per step of the float / q8 / mxfp4 loops
+WARPS = 4
+
+
+@triton.jit
+def _float_mv(x_ptr, sx, slot_ptr, w_ptr, ws, wn, y_ptr, sy, N, K, KDIV, NBLK, DW, DY,
+              BN: tl.constexpr, BK: tl.constexpr):
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
+    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
+    y_ptr = y_ptr + which * DY
+    nm = n < N
+    row = w_ptr + which * DW + slot * ws + n[:, None].to(tl.int64) * wn
+    xrow = x_ptr + (p // KDIV) * sx
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        xv = tl.load(xrow + k, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(row + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * xv[None, :], 1)
+    tl.store(y_ptr + p * sy + n, tl.where(held, acc, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _q8_mv(x_ptr, sx, slot_ptr, w_ptr, ws, wn, s_ptr, ss, y_ptr, sy, N, K, KDIV, NBLK, DW, DS, DY,
+           BN: tl.constexpr, BK: tl.constexpr):
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
+    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
+    y_ptr = y_ptr + which * DY
+    nm = n < N
+    row = w_ptr + which * DW + slot * ws + n[:, None].to(tl.int64) * wn
+    xrow = x_ptr + (p // KDIV) * sx
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        xv = tl.load(xrow + k, mask=km, other=0.0).to(tl.float32)
+        q = tl.load(row + k[None, :], mask=nm[:, None] & km[None, :], other=0).to(tl.float32)
+        acc += tl.sum(q * xv[None, :], 1)
+    s = tl.load(s_ptr + which * DS + slot * ss + n, mask=nm, other=0.0)
+    tl.store(y_ptr + p * sy + n, tl.where(held, acc * s, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _q4_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, sy, N, K, NFULL, KDIV, NBLK, DW, DS, DY,
+           BN: tl.constexpr, G: tl.constexpr):
+    # int4pack's layout: rows in blocks of 64, byte j of column k of a full block holds rows j (low) and j + 32
+    # (high); the tail block of nb rows holds rows 2j (low) and 2j + 1 (high). Both are base(n) + k * kstride(n).
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
+    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
+    y_ptr = y_ptr + which * DY
+    nm = n < N
+    full = n < NFULL
+    t = n - NFULL
+    base = tl.where(full, (n // 64) * (K * 32) + (n % 32), NFULL * (K // 2) + t // 2).to(tl.int64)
+    kstride = tl.where(full, 32, (N - NFULL) // 2)
+    shift = tl.where(full, ((n % 64) // 32) * 4, (t % 2) * 4)
+    qrow = q_ptr + which * DW + slot * qs + base
+    srow = sz_ptr + which * DS + slot * szs + n.to(tl.int64) * szn
+    xrow = x_ptr + (p // KDIV) * sx
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, K, G):
+        k = k0 + tl.arange(0, G)
+        xv = tl.load(xrow + k).to(tl.float32)
+        b = tl.load(qrow[:, None] + k[None, :].to(tl.int64) * kstride[:, None], mask=nm[:, None], other=0)
+        q = ((b.to(tl.int32) >> shift[:, None]) & 15).to(tl.float32) - 8.0
+        gi = k0 // G
+        s = tl.load(srow + gi * szg, mask=nm, other=0.0).to(tl.float32)
+        z = tl.load(srow + gi * szg + 1, mask=nm, other=0.0).to(tl.float32)
+        w = q * s[:, None] + z[:, None]
+        acc += tl.sum(w * xv[None, :], 1)
+    tl.store(y_ptr + p * sy + n, tl.where(held, acc, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _mx_mv(x_ptr, sx, slot_ptr, b_ptr, bs, bn, e_ptr, es, en, lut_ptr, pow2_ptr, y_ptr, sy, N, K, KDIV, NBLK, DW, DS, DY,
+           BN: tl.constexpr, BK: tl.constexpr):
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
+    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
+    y_ptr = y_ptr + which * DY
+    nm = n < N
+    brow = b_ptr + which * DW + slot * bs + n[:, None].to(tl.int64) * bn
+    erow = e_ptr + which * DS + slot * es + n[:, None].to(tl.int64) * en
+    xrow = x_ptr + (p // KDIV) * sx
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        m2 = nm[:, None] & km[None, :]
+        xv = tl.load(xrow + k, mask=km, other=0.0).to(tl.float32)
+        c = tl.load(brow + (k // 2)[None, :], mask=m2, other=0).to(tl.int32)
+        c = (c >> ((k % 2) * 4)[None, :]) & 15
+        e = tl.load(erow + (k // 32)[None, :], mask=m2, other=0).to(tl.int32)
+        w = tl.load(lut_ptr + c) * tl.load(pow2_ptr + e)
+        acc += tl.sum(w * xv[None, :], 1)
+    tl.store(y_ptr + p * sy + n, tl.where(held, acc, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+_TABLES: dict = {}
+
+
+def _tables(device):
+    t = _TABLES.get(device)
+    if t is None:
+        pow2 = torch.tensor([2.0 ** (e - 127) for e in range(256)], dtype=torch.float32)
+        t = _TABLES[device] = (E2M1.to(device), pow2.to(device))
+    return t
+
+
+def _delta(a: torch.Tensor, b: torch.Tensor) -> int:
+    """b's offset from a in elements, where b is a as another matrix of the same record (same shape, strides)."""
+    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
+        raise ValueError("the two matrices of a fused launch must have the same layout")
+    d, r = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    if r:
+        raise ValueError("matrix parts not aligned to their element size")
+    return d
+
+
+def matvec(ms: tuple[str, ...], x: torch.Tensor, slots: torch.Tensor, bank: Bank, out: torch.Tensor, kdiv: int,
+           bn: int = BN, bk: int = BK, warps: int = WARPS) -> torch.Tensor:
+    """out[j, p] = W_{ms[j], slots[p]} x[p // kdiv] for one or two matrices ms of the same shape (gate and up),
+    every pair p, in one launch; x [rows, K] with unit column stride, out [len(ms), P, N] (contiguous rows)."""
+    N, K = bank.shapes[ms[0]]
+    P = slots.numel()
+    ps, kind = bank.parts[ms[0]], bank.fmt.kind or bank.fmt.name
+    two = bank.parts[ms[-1]]
+    nblk = triton.cdiv(N, bn)
+    grid = (P, nblk * len(ms))
+    sx = x.stride(0)
+    dy = out.stride(0) if len(ms) == 2 else 0
+    o = out[0]
+    if kind == "float":
+        w = ps[""]
+        _float_mv[grid](x, sx, slots, w, w.stride(0), w.stride(1), o, o.stride(0), N, K, kdiv, nblk,
+                        _delta(w, two[""]), dy, BN=bn, BK=bk, num_warps=warps)
+    elif kind == "q8":
+        w, s = ps["q"], ps["scale"]
+        _q8_mv[grid](x, sx, slots, w, w.stride(0), w.stride(1), s, s.stride(0), o, o.stride(0), N, K, kdiv, nblk,
+                     _delta(w, two["q"]), _delta(s, two["scale"]), dy, BN=bn, BK=bk, num_warps=warps)
+    elif kind == "q4":
+        q, sz = ps["q"], ps["sz"]
+        g = K // sz.shape[1]
+        _q4_mv[grid](x, sx, slots, q, q.stride(0), sz, sz.stride(0), sz.stride(1), sz.stride(2), o, o.stride(0),
+                     N, K, N // 64 * 64, kdiv, nblk, _delta(q, two["q"]), _delta(sz, two["sz"]), dy,
+                     BN=bn, G=g, num_warps=warps)
+    elif kind == "mxfp4":
+        b, e = ps["blocks"], ps["scales"]
+        lut, pow2 = _tables(x.device)
+        _mx_mv[grid](x, sx, slots, b, b.stride(0), b.stride(1), e, e.stride(0), e.stride(1), lut, pow2, o,
+                     o.stride(0), N, K, kdiv, nblk, _delta(b, two["blocks"]), _delta(e, two["scales"]), dy,
+                     BN=bn, BK=bk, num_warps=warps)
+    else:
+        raise ValueError(f"no triton kernel for {kind}")
+    return out
+
+
+def pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, **tune) -> torch.Tensor:
+    """Each (row, choice) pair's expert output [T, k, h] (unweighted), read in place from the slab: two launches
+    (gate and up together, then down) and the bank's activation between them. Pairs of slot -1 stay zero. Float
+    formats with more than one row go through moe.segments (one matmul per distinct expert)."""
+    T, k = slots.shape
+    if T > 1 and bank.fmt.kind == "float":
+        return segments(x, slots, bank)
+    kd = bank.fmt.kernel_dtype
+    xk = x if kd is None or x.dtype == kd else x.to(kd)     # q4: the row as the CPU's int4 kernel takes it
+    xk = xk.contiguous()
+    flat = slots.reshape(-1).contiguous()
+    P = flat.numel()
+    inter, hid = bank.shapes["gate"][0], bank.shapes["down"][0]
+    gu = torch.empty(2, P, inter, dtype=xk.dtype, device=x.device)
+    matvec(("gate", "up"), xk, flat, bank, gu, k, **tune)
+    h = bank.activate(gu[0], gu[1]).contiguous()
+    y = torch.empty(1, P, hid, dtype=xk.dtype, device=x.device)
+    matvec(("down",), h, flat, bank, y, 1, **tune)
+    y = y.view(T, k, hid)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+pairs.any_slots = True      # exact per pair at any number of rows, and -1 pairs left zero
+
+
+for _kind in ("float", "q8", "q4", "mxfp4"):
+    register(_kind, "cuda")(pairs)
