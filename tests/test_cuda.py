@@ -75,3 +75,18 @@ def test_decode_graphs_match_eager(container, fmt):
     assert res[True][0] == res[False][0]
     assert torch.equal(res[True][1], res[False][1])
     assert res[True][2] == res[False][2]             # replays count their hits like the eager step
+
+
+def test_rms_norm_bf16_on_gpu_within_bf16_rounding():
+    """On a GPU rms_norm is torch's one fused op for bf16 rows too: within two bf16 roundings (2^-8 each) of the
+    float64 norm, as the CPU's float32-then-round lines are."""
+    from waste.layers.norm import rms_norm
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 2048, generator=g) * 3).to(torch.bfloat16)
+    w = (1 + torch.randn(2048, generator=g) * 0.1).to(torch.bfloat16)
+    ref = rms_norm(x.double(), w.double(), 1e-6)
+    gpu = rms_norm(x.cuda(), w.cuda(), 1e-6).cpu().double()
+    cpu = rms_norm(x, w, 1e-6).double()
+    err = lambda y: float(((y - ref).abs() / ref.abs().clamp_min(1e-3)).max())    # noqa: E731
+    assert err(cpu) <= 2 ** -7
+    assert err(gpu) <= 2 ** -7

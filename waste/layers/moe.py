@@ -65,21 +65,10 @@ def register(kind: str, device: str):
 def kernel_for(fmt, device: torch.device | str) -> Kernel:
     """The pairs kernel for this format on this device: its own, else its kind's (float / q8), else segments."""
     dev = torch.device(device).type
-    if dev == "cuda":
-        cuda_kernels()          # registers layers/moe_triton.py's kernels (slots read in place) where triton imports
     for key in ((fmt.name, dev), (fmt.kind or fmt.name, dev)):
         if key in _KERNELS:
             return _KERNELS[key]
     return segments
-
-
-def cuda_kernels() -> bool:
-    """Whether the triton kernels of layers/moe_triton.py are available (imported and registered on first ask)."""
-    try:
-        from . import moe_triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def expert_rows(x: torch.Tensor, parts: dict, bank: Bank) -> torch.Tensor:

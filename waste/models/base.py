@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.mlp import dense_mlp
+from ..layers.gpu import cuda_kernels
 from ..layers.moe import kernel_for, routed_groups
 from ..layers.norm import rms_norm
 from ..layers.router import sigmoid_grouped_topk, softmax_topk
@@ -64,6 +65,8 @@ class DecoderModel:
             for k in ("mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
                 if k in lw:
                     lw[k] = lw[k].float()
+        if self.device.type == "cuda":
+            cuda_kernels()           # the triton kernels (slots read in place), where triton imports
         make_bank = getattr(experts, "make_bank", None)
         self.bank = make_bank(self.device) if make_bank is not None and self.moe else None
         self.kernel = kernel_for(self.bank.fmt, self.device) if self.bank is not None else None

@@ -25,7 +25,8 @@ from ..errors import WasteError
 from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
 from ..container.bank import _DTYPES
-from ..layers.moe import MATRICES, Bank, cuda_kernels
+from ..layers.gpu import cuda_kernels
+from ..layers.moe import MATRICES, Bank
 from .experts import ExpertStats, expert_act, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
 
@@ -65,6 +66,9 @@ class ExpertCache:
         # a layer uses it (the first step of the CUDA backend: one tier, as large as the host budget)
         self.dev_slab = (torch.empty(self.n_slots * self.record_bytes, dtype=torch.uint8, device=self.device)
                          if self.device.type != "cpu" else None)
+        # the host slab pinned (page-locked) for the GPU: its copies up run at the link's rate (55 GB/s on the H200
+        # against 9.2 pageable, shared/reference/machine.md §E); False where the driver refused (speed only)
+        self.pinned = self._pin() if self.dev_slab is not None and self.n_slots else False
         self._dirty: set[int] = set()
         self._dev_map: torch.Tensor | None = None      # device_map()
         self.slot_of: dict[tuple[int, int], int] = {}
@@ -102,6 +106,13 @@ class ExpertCache:
         if preload and self.fits and self.n_records:
             self.fill_thread = threading.Thread(target=self._fill, name="waste-fill", daemon=True)
             self.fill_thread.start()
+
+    def _pin(self) -> bool:
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.slab.data_ptr(), self.slab.numel(), 0))
+        except (RuntimeError, AttributeError):
+            return False
+        return True
 
     # -- slots -------------------------------------------------------------------------------------
     def slot_tensor(self, slot: int) -> torch.Tensor:
@@ -396,3 +407,6 @@ class ExpertCache:
         self.pool.shutdown(wait=True)
         for r in self.readers.values():
             r.close()
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
+            self.pinned = False
