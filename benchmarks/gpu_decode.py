@@ -82,6 +82,10 @@ def main() -> None:
     ap.add_argument("--variants", default="gather,triton,graphs",
                     help="gather: the torch gather kernels (bf16 / q8 only); triton: slots read in place; "
                          "graphs: triton and each MoE layer's MLP replayed as a CUDA graph")
+    ap.add_argument("--budget-frac", type=float, default=0.0,
+                    help="also decode with an expert budget of this share of the bank (misses read from the disk "
+                         "through the pinned host slab; against the disk's bound)")
+    ap.add_argument("--peer", action="store_true", help="also decode with transformers (bf16 on this GPU)")
     a = ap.parse_args()
     src = a.dir / "src"
     rate, floor = hbm_rate(), launch_us()
@@ -127,7 +131,47 @@ def main() -> None:
                       + ", ".join(f"{k} {v}" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:8]),
                       flush=True)
             m.kernel, m.graphs = kernel, graphs
+            bank_bytes = eng.experts.n_records * man["experts"]["record_bytes"]
+        if a.budget_frac:
+            with waste.load(out, device="cuda", dtype="bfloat16", budget=int(bank_bytes * a.budget_frac)) as eng:
+                st0 = eng.experts.stats.snapshot()
+                steps, _ = decode(eng.model, a.n)
+                st = eng.experts.stats
+                read = (st.bytes_read - st0.bytes_read) / (len(steps) + 8 + 1)
+                med = statistics.median(steps)
+                print(f"{a.layers} layers, {fmt} experts, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.1f} GB "
+                      f"bank (pinned host slab: {eng.experts.pinned}): {1 / med:.1f} tok/s ({1e3 * med:.1f} ms per "
+                      f"token); {read / 1e6:.0f} MB read per token on average; at the disk's 2.2 GB/s that is a "
+                      f"bound of {2.2e9 / max(read, 1):.1f} tok/s, at 55 GB/s pinned {55e9 / max(read, 1):.0f}",
+                      flush=True)
+    if a.peer and (src / "config.json").is_file():
+        peer_transformers(src, a.n)
     shutil.rmtree(src, ignore_errors=True)
+
+
+@torch.inference_mode()
+def peer_transformers(src: Path, n: int) -> None:
+    """transformers' own Qwen3-MoE on the same release, bf16 on the GPU, greedy decode after the same prompt."""
+    import transformers
+    t = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map="cuda")
+    print(f"transformers {transformers.__version__} loaded in {time.perf_counter() - t:.0f} s", flush=True)
+    ids = torch.arange(3, 35, device="cuda")[None]
+    out = model(ids, use_cache=True)
+    pkv, steps = out.past_key_values, []
+    for i in range(n + 8):
+        nxt = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model(nxt, past_key_values=pkv, use_cache=True)
+        torch.cuda.synchronize()
+        pkv = out.past_key_values
+        if i >= 8:
+            steps.append(time.perf_counter() - t)
+    med = statistics.median(steps)
+    print(f"peer: transformers bf16 on the GPU, eager: {1 / med:.1f} tok/s ({1e3 * med:.2f} ms per token)", flush=True)
+    del model
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
