@@ -1,6 +1,6 @@
 """Resident decode on a GPU (`--device cuda`) of the Qwen3-30B-A3B shape, against its HBM bound and launch count.
 
-    python benchmarks/gpu_decode.py DIR [--layers 12] [-n 64] [--experts bf16,q4] [--variants gather,triton,graphs]
+    python benchmarks/gpu_decode.py DIR [--layers 12] [-n 64] [--experts bf16,q4] [--variants gather,triton,graphs,whole]
 
 Builds (once, in DIR) a seeded random release of the Qwen3-30B-A3B widths (hidden 2048, 128 experts top-8,
 moe_intermediate 768, 32 / 4 heads of 128) with --layers layers and converts it; then loads it on the GPU with every
@@ -79,9 +79,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--experts", default="bf16", help="formats, comma-separated (one random release converted to each)")
-    ap.add_argument("--variants", default="gather,triton,graphs",
+    ap.add_argument("--variants", default="gather,triton,graphs,whole",
                     help="gather: the torch gather kernels (bf16 / q8 only); triton: slots read in place; "
-                         "graphs: triton and each MoE layer's MLP replayed as a CUDA graph")
+                         "graphs: triton and each MoE layer's MLP replayed as a CUDA graph; whole: the whole "
+                         "decode step replayed as one CUDA graph")
     ap.add_argument("--budget-frac", type=float, default=0.0,
                     help="also decode with an expert budget of this share of the bank (misses read from the disk "
                          "through the pinned host slab; against the disk's bound)")
@@ -118,7 +119,9 @@ def main() -> None:
                     m.kernel = moe.gather_float if fmt == "bf16" else moe.gather_q8
                 else:
                     m.kernel = kernel
-                m.graphs = graphs if v == "graphs" else None
+                m.graphs = graphs if v in ("graphs", "whole") else None
+                if graphs is not None:
+                    graphs.whole = v == "whole"
                 steps, (nxt, state, pos) = decode(m, a.n)
                 m.graphs = None
                 ops, by_op = count_ops(lambda: m.forward(torch.tensor([nxt]), state, pos, last_only=True))

@@ -53,28 +53,39 @@ def test_cuda_logits_and_tokens_match_cpu(container, fmt, small):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q4"])
-def test_decode_graphs_match_eager(container, fmt):
-    """Every expert resident: the decode step's MoE layers replay CUDA graphs (one per layer, slots looked up on
-    the GPU) and give the same tokens and the same logits as the eager step."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_graphs_match_eager(container, fmt, dtype):
+    """Every expert resident: a decode step replays CUDA graphs (slots looked up on the GPU). MoE layers alone
+    graphed: the same bits as the eager step. The whole step graphed (attention over a masked fixed-size key
+    buffer): float32 logits within float32 rounding of the eager step's and the same greedy text. Hits are
+    counted the same on every path."""
     ids = list(range(3, 20))
     res = {}
-    for graphs in (False, True):
-        with waste.load(container[fmt], dtype="bfloat16", device="cuda") as eng:
+    for mode in ("eager", "mlp", "whole"):
+        with waste.load(container[fmt], dtype=dtype, device="cuda") as eng:
             eng.experts.wait_fill()
             m = eng.model
             assert m.graphs is not None
-            if not graphs:
+            if mode == "eager":
                 m.graphs = None
+            elif mode == "mlp":
+                m.graphs.whole = False
             toks = eng.generate(ids, max_tokens=12).token_ids
             st = m.new_state()
             m.forward(torch.tensor(ids), st, 0)
-            last = m.forward(torch.tensor([toks[0]]), st, len(ids))
-            res[graphs] = (toks, last, eng.experts.stats.hits)
-            if graphs:
-                assert len(m.graphs.graphs) == sum(not d for d in m.dense)
-    assert res[True][0] == res[False][0]
-    assert torch.equal(res[True][1], res[False][1])
-    assert res[True][2] == res[False][2]             # replays count their hits like the eager step
+            lasts = [m.forward(torch.tensor([t]), st, len(ids) + j, last_only=True) for j, t in enumerate(toks[:4])]
+            res[mode] = (toks, torch.cat(lasts), eng.experts.stats.hits)
+            if mode == "mlp":
+                assert len(m.graphs.mlps) == sum(not d for d in m.dense) and not m.graphs.steps
+            if mode == "whole":
+                assert len(m.graphs.steps) >= 1
+    assert res["mlp"][2] == res["eager"][2] == res["whole"][2]
+    assert torch.equal(res["mlp"][1], res["eager"][1])
+    assert res["mlp"][0] == res["eager"][0]
+    if dtype == "float32":
+        a, b = res["whole"][1], res["eager"][1]
+        assert (a - b).norm() / b.norm() < 1e-5
+        assert res["whole"][0] == res["eager"][0]
 
 
 def test_rms_norm_bf16_on_gpu_within_bf16_rounding():

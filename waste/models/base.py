@@ -23,7 +23,7 @@ from ..layers.norm import rms_norm
 from ..layers.router import sigmoid_grouped_topk, softmax_topk
 from ..quant.linear import linear
 from ..timing import NO_TIMER
-from .graphs import MlpGraphs
+from .graphs import DecodeGraphs
 
 
 def _on_device(t, dtype, device: torch.device):
@@ -70,8 +70,8 @@ class DecoderModel:
         make_bank = getattr(experts, "make_bank", None)
         self.bank = make_bank(self.device) if make_bank is not None and self.moe else None
         self.kernel = kernel_for(self.bank.fmt, self.device) if self.bank is not None else None
-        # a GPU decode step replays each MoE layer's MLP as a CUDA graph once every expert is resident (graphs.py)
-        self.graphs = MlpGraphs(self) if self.device.type == "cuda" and self.bank is not None else None
+        # a GPU decode step is replayed as CUDA graphs once every expert is resident (graphs.py)
+        self.graphs = DecodeGraphs(self) if self.device.type == "cuda" and self.bank is not None else None
         self._pool: list[list] = []             # states of finished sequences, emptied (take_state)
         self._pool_lock = threading.Lock()
 
@@ -192,19 +192,33 @@ class DecoderModel:
                 ys = [y + self.ffn(x, lw, "mlp.shared_experts.") for x, y in zip(xs, ys)]
         return ys
 
+    def graph_state(self, state, start: int):
+        """Family hook: the key of a captured whole decode step for this sequence's state (its buffers), or None
+        where the family's attention has no fixed-shape form (then only the MoE layers are graphed)."""
+        return None
+
     @torch.inference_mode()
     def step(self, items: list, last_only: bool = True) -> list[torch.Tensor]:
         """items [(ids [T], state, start)], one per sequence, each continuing its sequence of `start` tokens ->
         float32 logits per sequence ([1, V] with last_only, else [T, V]). The one forward of prefill and decode, of
         one request (Engine.generate) and of a batch (the server's scheduler); a sequence's logits are bit-identical
         alone or batched."""
+        if self.graphs is not None:            # one sequence's decode step replayed as one CUDA graph (graphs.py)
+            out = self.graphs.step(items, last_only)
+            if out is not None:
+                return out
+        return [l if l.device.type == "cpu" else l.cpu() for l in self.step_logits(items, last_only)]  # sampling: host
+
+    def step_logits(self, items: list, last_only: bool = True, static=None) -> list[torch.Tensor]:
+        """step's logits on the model's device. static: (position tensor [1], L) for a captured decode step
+        (graphs.py): the family's attention reads the position from the tensor and attends over L cache rows."""
         hs, positions, scratch = [], [], []
         for ids, _, start in items:
             if ids.device != self.device:
                 ids = ids.to(self.device)
             hs.append(self.stream_in(F.embedding(ids, self.embed)))
             positions.append(torch.arange(start, start + ids.shape[0], device=self.device))
-            scratch.append({"start": start})
+            scratch.append({"start": start} if static is None else {"start": start, "static": static})
         for i, lw in enumerate(self.layers):
             normed, ctxs = [], []
             for j, (_, state, _) in enumerate(items):
@@ -224,8 +238,7 @@ class DecoderModel:
             if last_only:
                 x = x[-1:]
             with self.timer.section("trunk matvec"):
-                logits = linear(rms_norm(x, self.norm, self.eps), self.head).float()
-            out.append(logits if logits.device.type == "cpu" else logits.cpu())     # sampling runs on the host
+                out.append(linear(rms_norm(x, self.norm, self.eps), self.head).float())
         return out
 
     def forward(self, ids: torch.Tensor, state: list, start: int, last_only: bool = False) -> torch.Tensor:

@@ -1,26 +1,37 @@
-"""CUDA graphs for a decode step's MoE layers (`--device cuda`, every routed expert resident in GPU memory).
+"""CUDA graphs for the decode step (`--device cuda`, every routed expert resident in GPU memory).
 
-A MoE layer's MLP at one row (router, slot lookup, the expert kernels, the weighted sum, shared experts) has fixed
-shapes and, once the expert store's whole bank sits in the GPU slab, no host sync (ExpertCache.device_map): it is
-captured once per layer and replayed, one launch instead of its few dozen. Attention stays eager: its key length
-grows each step. Anything that watches the step from the host (a benchmark's routing stand-in, route or predict
-traces, the profiler's timer) or a store that still reads experts keeps the eager path.
+Once the expert store's whole bank sits in the GPU slab, a MoE layer needs no host sync (ExpertCache.device_map:
+slots looked up on the GPU), so a one-row decode step has fixed shapes except for attention's growing key length.
+- Whole step: where the family's attention has a fixed-shape form (`graph_state`: Qwen3's GQA), one sequence's
+  decode step is captured once per (sequence buffers, key bucket) and replayed: the token and the position are
+  copied into the graph's inputs, the cache row is put at the position, attention reads the first L rows of the
+  cache buffer (L the position rounded up to BUCKET rows) with the rows past the position masked.
+- MoE layers only: elsewhere (other families, or a step the whole-step graph cannot take) each MoE layer's one-row
+  MLP is captured once and replayed; attention stays eager.
+Anything that watches the step from the host (a benchmark's routing stand-in, route or predict traces, the
+profiler's timer), a batch of sequences, or a store that still reads experts keeps the eager path.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 import torch
 
 from ..timing import NO_TIMER
 
+BUCKET = 256          # key rows a captured step attends over come in multiples of this
+MAX_STEP_GRAPHS = 8   # captured whole steps kept (least recently used dropped): sequences x buckets
 
-class MlpGraphs:
+
+class DecodeGraphs:
     def __init__(self, model):
         self.model = model
-        self.graphs: dict[int, tuple] = {}
+        self.mlps: dict[int, tuple] = {}
+        self.steps: OrderedDict = OrderedDict()
         self.pool = None
         self.capturing = False
+        self.whole = True               # whole-step graphs where the family allows (the benchmark turns them off)
 
     def usable(self) -> bool:
         m = self.model
@@ -30,40 +41,85 @@ class MlpGraphs:
         dm = getattr(m.experts, "device_map", None)
         return dm is not None and dm() is not None
 
-    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
-        """Layer i's MoE MLP of one row x [1, h] by replaying its graph (captured on first use); None where the
-        eager path must run."""
-        if x.shape[0] != 1 or not self.usable():
-            return None
-        g = self.graphs.get(i)
-        if g is None:
-            g = self.graphs[i] = self._capture(i, x)
-        gx, gy, graph = g
-        gx.copy_(x)
-        graph.replay()
-        self.model.experts.count_hits(i, self.model.top_k)
-        return gy
-
-    def _capture(self, i: int, x: torch.Tensor):
-        m = self.model
-        stats = m.experts.stats
+    def _capture(self, fn, stats_from):
+        """Warm fn up on a side stream (triton compiles, the allocator fills), then capture it: (graph, output).
+        The warm-up and capture calls are no tokens: the store's counters are put back as they were."""
+        stats = stats_from.stats
         before = dataclasses.replace(stats, per_layer={k: list(v) for k, v in stats.per_layer.items()})
-        gx = x.clone()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         self.capturing = True
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):          # warm up off the capture: triton compiles, the allocator fills
+            with torch.cuda.stream(side):
                 for _ in range(2):
-                    m.mlp_many(i, [gx])
+                    fn()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                gy = m.mlp_many(i, [gx])[0]
+                out = fn()
         finally:
             self.capturing = False
-            for f in dataclasses.fields(stats):     # the warm-up and capture calls are no tokens: not counted
+            for f in dataclasses.fields(stats):
                 setattr(stats, f.name, getattr(before, f.name))
-        return gx, gy, graph
+        return graph, out
+
+    # -- one MoE layer's MLP -----------------------------------------------------------------------
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Layer i's MoE MLP of one row x [1, h] by replaying its graph (captured on first use); None where the
+        eager path must run."""
+        if x.shape[0] != 1 or not self.usable():
+            return None
+        g = self.mlps.get(i)
+        if g is None:
+            gx = x.clone()
+            graph, gy = self._capture(lambda: self.model.mlp_many(i, [gx])[0], self.model.experts)
+            g = self.mlps[i] = (gx, gy, graph)
+        gx, gy, graph = g
+        gx.copy_(x)
+        graph.replay()
+        self.model.experts.count_hits(i, self.model.top_k)
+        return gy
+
+    # -- the whole step ----------------------------------------------------------------------------
+    def step(self, items: list, last_only: bool) -> list[torch.Tensor] | None:
+        """One sequence's one-row decode step by replaying its captured graph: the logits (on the host), with the
+        sequence's state advanced by the row; None where the eager step must run."""
+        m = self.model
+        if not self.whole or len(items) != 1:
+            return None
+        ids, state, start = items[0]
+        if ids.shape[0] != 1 or not self.usable():
+            return None
+        key = m.graph_state(state, start)
+        if key is None:
+            return None
+        L = -(-(start + 1) // BUCKET) * BUCKET
+        cap = min(b.shape[0] for s in state for b in s.buffers())
+        L = min(L, cap)
+        g = self.steps.get((key, L))
+        if g is None:
+            gid = torch.zeros(1, dtype=torch.long, device=m.device)
+            gpos = torch.full((1,), start, dtype=torch.long, device=m.device)
+            gid.copy_(ids)
+
+            def run():
+                return m.step_logits([(gid, list(state), start)], last_only, static=(gpos, L))[0]
+
+            graph, logits = self._capture(run, m.experts)
+            g = self.steps[(key, L)] = (gid, gpos, graph, logits)
+            while len(self.steps) > MAX_STEP_GRAPHS:
+                self.steps.popitem(last=False)
+        else:
+            self.steps.move_to_end((key, L))
+        gid, gpos, graph, logits = g
+        gid.copy_(ids)
+        gpos.fill_(start)
+        graph.replay()
+        for i in range(len(state)):          # the rows the replay put: the states' host-side lengths follow
+            state[i] = state[i].advance(1)
+        for i, dense in enumerate(m.dense):
+            if not dense:
+                m.experts.count_hits(i, m.top_k)
+        return [logits.cpu()]
