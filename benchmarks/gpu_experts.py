@@ -100,8 +100,13 @@ def main() -> None:
         arms = []
         if fmt in ("bf16", "q8"):
             arms.append(("gather", (moe.gather_float if fmt == "bf16" else moe.gather_q8), {}))
-        for bn, bk, w in ((16, 128, 4), (32, 128, 4), (8, 256, 4), (16, 256, 8), (64, 64, 4)):
-            arms.append((f"triton bn{bn} bk{bk} w{w}", moe_triton.pairs, dict(bn=bn, bk=bk, warps=w)))
+        arms.append(("triton (default tiles)", moe_triton.pairs, {}))
+        if fmt == "q4":
+            for split, w in ((1, 4), (2, 4), (8, 4), (4, 8), (4, 2)):
+                arms.append((f"triton split{split} w{w}", moe_triton.pairs, dict(split=split, warps=w)))
+        else:
+            for bn, bk, w in ((8, 256, 4), (16, 128, 4), (32, 256, 8)):
+                arms.append((f"triton bn{bn} bk{bk} w{w}", moe_triton.pairs, dict(bn=bn, bk=bk, warps=w)))
         for name, fn, kw in arms:
             try:
                 t = time_calls(lambda i: fn(x, draws[i].view(1, -1), bank, **kw), a.n)

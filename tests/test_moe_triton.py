@@ -57,8 +57,9 @@ def slab_bank(fmt_name: str, h: int, inter: int, n_slots: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("fmt,h,inter", [("bf16", 64, 32), ("f32", 48, 40), ("q8", 64, 32), ("q4", 128, 96),
-                                         ("q4g32", 64, 32), ("mxfp4", 64, 96)])
+                                         ("q4", 256, 128), ("q4g32", 64, 32), ("mxfp4", 64, 96)])
 def test_pairs_match_unpacked_matrices(fmt, h, inter):
+    """q4 at 128 x 96: the any-row kernel (96 rows: a tail block); at 256 x 128 the block kernel, K split in 4 / 2."""
     bank, dense = slab_bank(fmt, h, inter, n_slots=5)
     x = torch.randn(1, h, generator=torch.Generator().manual_seed(1)).to(DEV)
     slots = torch.tensor([[3, 0, -1, 4, 3]], device=DEV)    # a slot twice: pairs are independent; -1: not held

@@ -21,9 +21,10 @@ import triton.language as tl
 from ..quant.lowbit import E2M1
 from .moe import Bank, register, segments
 
-BN = 32           # output rows per program: decode's grids are (pairs, N / BN) (the best of 8-64 on the H200, §10)
-BK = 128          # columns per step of the float / q8 / mxfp4 loops
-WARPS = 4
+# tiles per format kind (rows per program, columns per step, warps): the fastest of those timed on the H200 inside
+# a CUDA graph (docs/LEARNED.md §10); q4's columns per step are its group
+TILES = {"float": (16, 256, 8), "q8": (16, 256, 8), "q4": (16, 64, 4), "mxfp4": (8, 256, 4)}
+Q4_SPLIT = 4      # q4 block kernel: K split over this many programs (more programs than the 132 SMs at decode)
 
 
 @triton.jit
@@ -109,6 +110,43 @@ def _q4_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, sy, N, 
 
 
 @triton.jit
+def _q4_block_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, sy, ssplit, N, K, KDIV, NBLK, DW,
+                 DS, DY, KCH, G: tl.constexpr):
+    # N a multiple of 64 (every block full): a program owns one 64-row block, reads each byte once (rows j and
+    # j + 32 from its two nibbles; 32 bytes of a column contiguous) over KCH columns, its split's share of K
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK
+    blk = tl.program_id(1) % NBLK
+    y_ptr = y_ptr + which * DY + tl.program_id(2) * ssplit
+    j = tl.arange(0, 32)
+    qblk = q_ptr + which * DW + slot * qs + blk.to(tl.int64) * (K * 32)
+    lo_n = blk * 64 + j
+    srow_lo = sz_ptr + which * DS + slot * szs + lo_n.to(tl.int64) * szn
+    srow_hi = srow_lo + 32 * szn
+    xrow = x_ptr + (p // KDIV) * sx
+    acc_lo = tl.zeros([32], tl.float32)
+    acc_hi = tl.zeros([32], tl.float32)
+    k_lo = tl.program_id(2) * KCH
+    for k0 in range(k_lo, k_lo + KCH, G):
+        k = k0 + tl.arange(0, G)
+        xv = tl.load(xrow + k).to(tl.float32)
+        b = tl.load(qblk + k[None, :].to(tl.int64) * 32 + j[:, None]).to(tl.int32)
+        gi = k0 // G
+        s_lo = tl.load(srow_lo + gi * szg).to(tl.float32)
+        z_lo = tl.load(srow_lo + gi * szg + 1).to(tl.float32)
+        s_hi = tl.load(srow_hi + gi * szg).to(tl.float32)
+        z_hi = tl.load(srow_hi + gi * szg + 1).to(tl.float32)
+        xs = tl.sum(xv, 0)
+        acc_lo += s_lo * tl.sum(((b & 15).to(tl.float32) - 8.0) * xv[None, :], 1) + z_lo * xs
+        acc_hi += s_hi * tl.sum(((b >> 4).to(tl.float32) - 8.0) * xv[None, :], 1) + z_hi * xs
+    tl.store(y_ptr + p * sy + lo_n, tl.where(held, acc_lo, 0.0).to(y_ptr.dtype.element_ty))
+    tl.store(y_ptr + p * sy + lo_n + 32, tl.where(held, acc_hi, 0.0).to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _mx_mv(x_ptr, sx, slot_ptr, b_ptr, bs, bn, e_ptr, es, en, lut_ptr, pow2_ptr, y_ptr, sy, N, K, KDIV, NBLK, DW, DS, DY,
            BN: tl.constexpr, BK: tl.constexpr):
     p = tl.program_id(0)
@@ -158,12 +196,16 @@ def _delta(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def matvec(ms: tuple[str, ...], x: torch.Tensor, slots: torch.Tensor, bank: Bank, out: torch.Tensor, kdiv: int,
-           bn: int = BN, bk: int = BK, warps: int = WARPS) -> torch.Tensor:
+           bn: int | None = None, bk: int | None = None, warps: int | None = None,
+           split: int | None = None) -> torch.Tensor:
     """out[j, p] = W_{ms[j], slots[p]} x[p // kdiv] for one or two matrices ms of the same shape (gate and up),
-    every pair p, in one launch; x [rows, K] with unit column stride, out [len(ms), P, N] (contiguous rows)."""
+    every pair p, in one launch; x [rows, K] with unit column stride, out [len(ms), P, N] (contiguous rows).
+    Tiles default to the format kind's TILES; split (q4 with N % 64 == 0 only) sums K's parts in float32."""
     N, K = bank.shapes[ms[0]]
     P = slots.numel()
     ps, kind = bank.parts[ms[0]], bank.fmt.kind or bank.fmt.name
+    dbn, dbk, dw = TILES.get(kind, (16, 128, 4))
+    bn, bk, warps = bn or dbn, bk or dbk, warps or dw
     two = bank.parts[ms[-1]]
     nblk = triton.cdiv(N, bn)
     grid = (P, nblk * len(ms))
@@ -181,6 +223,20 @@ def matvec(ms: tuple[str, ...], x: torch.Tensor, slots: torch.Tensor, bank: Bank
     elif kind == "q4":
         q, sz = ps["q"], ps["sz"]
         g = K // sz.shape[1]
+        split = Q4_SPLIT if split is None else split
+        while split > 1 and K % (split * g):
+            split //= 2
+        if N % 64 == 0 and g >= 16:
+            nb64 = N // 64
+            part = out if split == 1 else torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
+            po = part[0] if split == 1 else part[0, 0]
+            _q4_block_mv[(P, nb64 * len(ms), split)](
+                x, sx, slots, q, q.stride(0), sz, sz.stride(0), sz.stride(1), sz.stride(2), po, po.stride(0),
+                part.stride(0) if split > 1 else 0, N, K, kdiv, nb64, _delta(q, two["q"]), _delta(sz, two["sz"]),
+                (part.stride(1) if split > 1 else dy) if len(ms) == 2 else 0, K // split, G=g, num_warps=warps)
+            if split > 1:
+                torch.sum(part, 0, out=out) if out.dtype == torch.float32 else out.copy_(part.sum(0))
+            return out
         _q4_mv[grid](x, sx, slots, q, q.stride(0), sz, sz.stride(0), sz.stride(1), sz.stride(2), o, o.stride(0),
                      N, K, N // 64 * 64, kdiv, nblk, _delta(q, two["q"]), _delta(sz, two["sz"]), dy,
                      BN=bn, G=g, num_warps=warps)

@@ -14,6 +14,8 @@ profiler's timer), a batch of sequences, or a store that still reads experts kee
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -26,12 +28,16 @@ MAX_STEP_GRAPHS = 8   # captured whole steps kept (least recently used dropped):
 
 class DecodeGraphs:
     def __init__(self, model):
-        self.model = model
+        self._model = weakref.ref(model)      # no cycle with the model: its graphs are freed when it is
         self.mlps: dict[int, tuple] = {}
         self.steps: OrderedDict = OrderedDict()
         self.pool = None
         self.capturing = False
         self.whole = True               # whole-step graphs where the family allows (the benchmark turns them off)
+
+    @property
+    def model(self):
+        return self._model()
 
     def usable(self) -> bool:
         m = self.model
@@ -49,6 +55,11 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         self.capturing = True
+        # no collection during a capture: a CUDA graph of an engine gone (a cycle the collector frees) destroyed
+        # mid-capture invalidates the capture (seen on the H200); collected now, before it starts
+        gc.collect()
+        gc_was = gc.isenabled()
+        gc.disable()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -60,6 +71,8 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 out = fn()
         finally:
+            if gc_was:
+                gc.enable()
             self.capturing = False
             for f in dataclasses.fields(stats):
                 setattr(stats, f.name, getattr(before, f.name))
