@@ -1,6 +1,7 @@
 """Resident decode on a GPU (`--device cuda`) of the Qwen3-30B-A3B shape, against its HBM bound and launch count.
 
-    python benchmarks/gpu_decode.py DIR [--layers 12] [-n 64] [--experts bf16,q4] [--variants gather,triton,graphs,whole]
+    python benchmarks/gpu_decode.py DIR [--layers 12] [-n 64] [--experts bf16,q4]
+                                        [--variants gather,triton,graphs,whole] [--budget-frac F] [--peer]
 
 Builds (once, in DIR) a seeded random release of the Qwen3-30B-A3B widths (hidden 2048, 128 experts top-8,
 moe_intermediate 768, 32 / 4 heads of 128) with --layers layers and converts it; then loads it on the GPU with every
@@ -86,11 +87,15 @@ def main() -> None:
     ap.add_argument("--budget-frac", type=float, default=0.0,
                     help="also decode with an expert budget of this share of the bank (misses read from the disk "
                          "through the pinned host slab; against the disk's bound)")
+    ap.add_argument("--vram-frac", type=float, default=0.0,
+                    help="also decode with the whole bank in the pinned host slab and a VRAM tier of this share of it "
+                         "(records copied up as layers need them; against the 55 GB/s pinned link)")
     ap.add_argument("--peer", action="store_true", help="also decode with transformers (bf16 on this GPU)")
     a = ap.parse_args()
     src = a.dir / "src"
     rate, floor = hbm_rate(), launch_us()
-    print(f"{torch.cuda.get_device_name()}: HBM copy {rate / 1e9:.0f} GB/s; one eager launch {floor:.1f} us", flush=True)
+    print(f"{torch.cuda.get_device_name()}: HBM copy {rate / 1e9:.0f} GB/s; one eager launch {floor:.1f} us",
+          flush=True)
     for fmt in a.experts.split(","):
         out = a.dir / f"q30b{a.layers}-{fmt}.waste"
         if not (out / "manifest.json").is_file():
@@ -146,6 +151,20 @@ def main() -> None:
                       f"bank (pinned host slab: {eng.experts.pinned}): {1 / med:.1f} tok/s ({1e3 * med:.1f} ms per "
                       f"token); {read / 1e6:.0f} MB read per token on average; at the disk's 2.2 GB/s that is a "
                       f"bound of {2.2e9 / max(read, 1):.1f} tok/s, at 55 GB/s pinned {55e9 / max(read, 1):.0f}",
+                      flush=True)
+        if a.vram_frac:
+            with waste.load(out, device="cuda", dtype="bfloat16", vram=int(bank_bytes * a.vram_frac)) as eng:
+                eng.experts.wait_fill()
+                ex = eng.experts
+                c0 = ex.tier_copies
+                steps, _ = decode(eng.model, a.n)
+                up = (ex.tier_copies - c0) * man["experts"]["record_bytes"] / (len(steps) + 8 + 1)
+                med = statistics.median(steps)
+                print(f"{a.layers} layers, {fmt} experts, VRAM tier {a.vram_frac:.2f} of the "
+                      f"{bank_bytes / 1e9:.1f} GB "
+                      f"bank over the whole bank in pinned host memory (pinned: {ex.pinned}): {1 / med:.1f} tok/s "
+                      f"({1e3 * med:.2f} ms per token); {up / 1e6:.1f} MB copied up per token on average: at 55 GB/s "
+                      f"a bound of {55e9 / max(up, 1):.0f} tok/s ({up / med / 55e9 * 100:.0f}% of the link)",
                       flush=True)
     if a.peer and (src / "config.json").is_file():
         peer_transformers(src, a.n)

@@ -88,6 +88,30 @@ def test_decode_graphs_match_eager(container, fmt, dtype):
         assert res["whole"][0] == res["eager"][0]
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "q4"])
+def test_a_vram_tier_below_the_host_budget_gives_the_same_bits(container, fmt):
+    """--vram of three layers' experts over the whole bank in pinned host memory: records copied up and evicted
+    as layers need them, and the same logits, bit for bit, and text as the GPU slab that holds every record."""
+    ids = list(range(3, 30))
+    res = {}
+    for small in (False, True):
+        vram = None
+        if small:
+            with waste.load(container[fmt], dtype="float32") as eng:
+                vram = 3 * eng.model.top_k * eng.container.manifest["experts"]["record_bytes"]
+        with waste.load(container[fmt], dtype="float32", device="cuda", vram=vram) as eng:
+            eng.experts.wait_fill()
+            m = eng.model
+            logits = m.forward(torch.tensor(ids), m.new_state(), 0)
+            ex = eng.experts
+            toks = eng.generate(ids, max_tokens=12).token_ids
+            res[small] = (logits, toks, (ex.tiered, ex.pinned, ex.tier_copies if ex.tiered else 0, ex.n_dev))
+    tiered, pinned, copies, n_dev = res[True][2]
+    assert tiered and pinned and copies > n_dev
+    assert torch.equal(res[True][0], res[False][0])
+    assert res[True][1] == res[False][1]
+
+
 def test_rms_norm_bf16_on_gpu_within_bf16_rounding():
     """On a GPU rms_norm is torch's one fused op for bf16 rows too: within two bf16 roundings (2^-8 each) of the
     float64 norm, as the CPU's float32-then-round lines are."""

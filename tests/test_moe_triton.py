@@ -59,11 +59,17 @@ def slab_bank(fmt_name: str, h: int, inter: int, n_slots: int, seed: int = 0):
 @pytest.mark.parametrize("fmt,h,inter", [("bf16", 64, 32), ("f32", 48, 40), ("q8", 64, 32), ("q4", 128, 96),
                                          ("q4", 256, 128), ("q4g32", 64, 32), ("mxfp4", 64, 96)])
 def test_pairs_match_unpacked_matrices(fmt, h, inter):
-    """q4 at 128 x 96: the any-row kernel (96 rows: a tail block); at 256 x 128 the block kernel, K split in 4 / 2."""
+    """q4 at 128 x 96: the any-row kernel with a tail block (96 rows); at 256 x 128 also the block kernel, K split
+    in 4 (gate, up) and 2 (down)."""
     bank, dense = slab_bank(fmt, h, inter, n_slots=5)
     x = torch.randn(1, h, generator=torch.Generator().manual_seed(1)).to(DEV)
     slots = torch.tensor([[3, 0, -1, 4, 3]], device=DEV)    # a slot twice: pairs are independent; -1: not held
-    y = moe_triton.pairs(x, slots, bank, bn=16, bk=32)
+    for split in ((None, 4) if fmt == "q4" and h == 256 else (None,)):
+        check_pairs(bank, dense, x, slots, h, fmt, split)
+
+
+def check_pairs(bank, dense, x, slots, h, fmt, split):
+    y = moe_triton.pairs(x, slots, bank, bn=16, bk=32, split=split)
     assert y.shape == (1, 5, h) and y.dtype == x.dtype
     assert not y[0, 2].any()
     kd = bank.fmt.kernel_dtype
@@ -84,13 +90,13 @@ def test_pairs_match_unpacked_matrices(fmt, h, inter):
         assert err < (2e-2 if kd is not None else 1e-5), (fmt, j, float(err))
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q4"])
-def test_rows_of_a_prefill_are_each_pairs_own(fmt):
+@pytest.mark.parametrize("fmt,split", [("q8", None), ("q4", None), ("q4", 1)])
+def test_rows_of_a_prefill_are_each_pairs_own(fmt, split):
     """Several rows (prefill of a packed format): each row's pairs equal that row computed alone."""
-    bank, _ = slab_bank(fmt, 64, 32, n_slots=4)
+    bank, _ = slab_bank(fmt, 64, 64, n_slots=4)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(DEV)
     slots = torch.tensor([[1, 2], [0, 3], [2, -1]], device=DEV)
-    y = moe_triton.pairs(x, slots, bank, bn=16, bk=32)
+    y = moe_triton.pairs(x, slots, bank, split=split)
     for t in range(3):
-        assert torch.equal(y[t], moe_triton.pairs(x[t:t + 1], slots[t:t + 1], bank, bn=16, bk=32)[0])
+        assert torch.equal(y[t], moe_triton.pairs(x[t:t + 1], slots[t:t + 1], bank, split=split)[0])
     assert not y[2, 1].any()

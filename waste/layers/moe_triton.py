@@ -24,7 +24,8 @@ from .moe import Bank, register, segments
 # tiles per format kind (rows per program, columns per step, warps): the fastest of those timed on the H200 inside
 # a CUDA graph (docs/LEARNED.md §10); q4's columns per step are its group
 TILES = {"float": (16, 256, 8), "q8": (16, 256, 8), "q4": (16, 64, 4), "mxfp4": (8, 256, 4)}
-Q4_SPLIT = 4      # q4 block kernel: K split over this many programs (more programs than the 132 SMs at decode)
+# q4's block kernel (each byte read once, K split over `split` programs) is opt-in: on the H200 it measured 63-103 us
+# a layer against the any-row kernel's 49 (docs/LEARNED.md §10)
 
 
 @triton.jit
@@ -147,8 +148,8 @@ def _q4_block_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, s
 
 
 @triton.jit
-def _mx_mv(x_ptr, sx, slot_ptr, b_ptr, bs, bn, e_ptr, es, en, lut_ptr, pow2_ptr, y_ptr, sy, N, K, KDIV, NBLK, DW, DS, DY,
-           BN: tl.constexpr, BK: tl.constexpr):
+def _mx_mv(x_ptr, sx, slot_ptr, b_ptr, bs, bn, e_ptr, es, en, lut_ptr, pow2_ptr, y_ptr, sy, N, K, KDIV, NBLK, DW, DS,
+           DY, BN: tl.constexpr, BK: tl.constexpr):
     p = tl.program_id(0)
     slot = tl.load(slot_ptr + p).to(tl.int64)
     held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
@@ -200,7 +201,8 @@ def matvec(ms: tuple[str, ...], x: torch.Tensor, slots: torch.Tensor, bank: Bank
            split: int | None = None) -> torch.Tensor:
     """out[j, p] = W_{ms[j], slots[p]} x[p // kdiv] for one or two matrices ms of the same shape (gate and up),
     every pair p, in one launch; x [rows, K] with unit column stride, out [len(ms), P, N] (contiguous rows).
-    Tiles default to the format kind's TILES; split (q4 with N % 64 == 0 only) sums K's parts in float32."""
+    Tiles default to the format kind's TILES. split (q4 with N % 64 == 0): the block kernel, K's parts summed in
+    float32."""
     N, K = bank.shapes[ms[0]]
     P = slots.numel()
     ps, kind = bank.parts[ms[0]], bank.fmt.kind or bank.fmt.name
@@ -223,10 +225,9 @@ def matvec(ms: tuple[str, ...], x: torch.Tensor, slots: torch.Tensor, bank: Bank
     elif kind == "q4":
         q, sz = ps["q"], ps["sz"]
         g = K // sz.shape[1]
-        split = Q4_SPLIT if split is None else split
-        while split > 1 and K % (split * g):
+        while split and split > 1 and K % (split * g):
             split //= 2
-        if N % 64 == 0 and g >= 16:
+        if split and N % 64 == 0 and g >= 16:
             nb64 = N // 64
             part = out if split == 1 else torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
             po = part[0] if split == 1 else part[0, 0]
