@@ -207,7 +207,7 @@ class DecoderModel:
             out = self.graphs.step(items, last_only)
             if out is not None:
                 return out
-        return [l if l.device.type == "cpu" else l.cpu() for l in self.step_logits(items, last_only)]  # sampling: host
+        return [t if t.device.type == "cpu" else t.cpu() for t in self.step_logits(items, last_only)]  # sampling: host
 
     def step_logits(self, items: list, last_only: bool = True, static=None) -> list[torch.Tensor]:
         """step's logits on the model's device. static: (position tensor [1], L) for a captured decode step

@@ -251,7 +251,7 @@ class ExpertCache:
         if torch.device(device).type != self.device.type:
             raise ValueError(f"the expert store holds its slab for {self.device}, not {device}")
         kind = self.fmt.kind or self.fmt.name
-        if self.dev_slab is not None and not (kind in ("float", "q8") or (kind in ("q4", "mxfp4") and cuda_kernels())):
+        if self.device.type != "cpu" and not (kind in ("float", "q8") or (kind in ("q4", "mxfp4") and cuda_kernels())):
             raise WasteError(f"--device {self.device.type}: experts stored as {self.format} have no GPU kernel "
                              f"(bf16, f16, f32 and q8 do; q4 and mxfp4 with triton installed): convert with "
                              f"--experts bf16 or q8, install triton, or use --device cpu")
