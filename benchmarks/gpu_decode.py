@@ -1,6 +1,7 @@
 """Resident decode on a GPU (`--device cuda`) of the Qwen3-30B-A3B shape, against its HBM bound and launch count.
 
-    python benchmarks/gpu_decode.py DIR [--layers 12] [-n 64] [--experts bf16]
+    python benchmarks/gpu_decode.py DIR [--layers 12] [-n 64] [--experts bf16,q4]
+                                        [--variants gather,triton,graphs,whole] [--budget-frac F] [--peer]
 
 Builds (once, in DIR) a seeded random release of the Qwen3-30B-A3B widths (hidden 2048, 128 experts top-8,
 moe_intermediate 768, 32 / 4 heads of 128) with --layers layers and converts it; then loads it on the GPU with every
@@ -25,6 +26,7 @@ import torch  # noqa: E402
 import waste  # noqa: E402
 from waste.convert.convert import convert  # noqa: E402
 from waste.convert.synthetic import qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
+from waste.layers import moe  # noqa: E402
 from waste.timing import count_ops  # noqa: E402
 
 
@@ -42,54 +44,156 @@ def hbm_rate() -> float:
     return 2 * a.numel() / statistics.median(times)      # bytes read + written
 
 
+def launch_us() -> float:
+    """Microseconds of one tiny eager torch op on the GPU, issued back to back: the per-launch floor."""
+    t = torch.zeros(1, device="cuda")
+    for _ in range(100):
+        t.add_(1)
+    torch.cuda.synchronize()
+    n, t0 = 2000, time.perf_counter()
+    for _ in range(n):
+        t.add_(1)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def decode(m, n: int):
+    ids = list(range(3, 35))
+    state = m.new_state()
+    logits = m.forward(torch.tensor(ids), state, 0, last_only=True)[-1]
+    pos, steps = len(ids), []
+    for i in range(n + 8):
+        nxt = int(torch.argmax(logits))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        logits = m.forward(torch.tensor([nxt]), state, pos, last_only=True)[-1]
+        torch.cuda.synchronize()
+        if i >= 8:
+            steps.append(time.perf_counter() - t)
+        pos += 1
+    return steps, (nxt, state, pos)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir", type=Path)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("-n", type=int, default=64)
-    ap.add_argument("--experts", default="bf16")
+    ap.add_argument("--experts", default="bf16", help="formats, comma-separated (one random release converted to each)")
+    ap.add_argument("--variants", default="gather,triton,graphs,whole",
+                    help="gather: the torch gather kernels (bf16 / q8 only); triton: slots read in place; "
+                         "graphs: triton and each MoE layer's MLP replayed as a CUDA graph; whole: the whole "
+                         "decode step replayed as one CUDA graph")
+    ap.add_argument("--budget-frac", type=float, default=0.0,
+                    help="also decode with an expert budget of this share of the bank (misses read from the disk "
+                         "through the pinned host slab; against the disk's bound)")
+    ap.add_argument("--vram-frac", type=float, default=0.0,
+                    help="also decode with the whole bank in the pinned host slab and a VRAM tier of this share of it "
+                         "(records copied up as layers need them; against the 55 GB/s pinned link)")
+    ap.add_argument("--peer", action="store_true", help="also decode with transformers (bf16 on this GPU)")
     a = ap.parse_args()
-    out = a.dir / f"q30b{a.layers}-{a.experts}.waste"
-    if not (out / "manifest.json").is_file():
-        src = a.dir / "src"
-        cfg = qwen3_moe_config(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                               num_hidden_layers=a.layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                               num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
-        write_random_qwen3_moe(src, cfg, seed=0, shard_bytes=2 << 30, progress=False)
-        t = time.perf_counter()
-        convert(src, out, experts=a.experts, trunk="bf16", force=True, progress=False)
-        print(f"converted in {time.perf_counter() - t:.0f} s", flush=True)
-        shutil.rmtree(src)
-    with waste.load(out, device="cuda", dtype="bfloat16") as eng:
-        eng.experts.wait_fill()
-        m, man = eng.model, eng.container.manifest
-        ids = list(range(3, 35))
-        state = m.new_state()
-        logits = m.forward(torch.tensor(ids), state, 0, last_only=True)[-1]
-        pos = len(ids)
-        steps = []
-        for i in range(a.n + 8):
-            nxt = int(torch.argmax(logits))
-            torch.cuda.synchronize()
+    src = a.dir / "src"
+    rate, floor = hbm_rate(), launch_us()
+    print(f"{torch.cuda.get_device_name()}: HBM copy {rate / 1e9:.0f} GB/s; one eager launch {floor:.1f} us",
+          flush=True)
+    for fmt in a.experts.split(","):
+        out = a.dir / f"q30b{a.layers}-{fmt}.waste"
+        if not (out / "manifest.json").is_file():
+            if not (src / "config.json").is_file():
+                cfg = qwen3_moe_config(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                       num_hidden_layers=a.layers, num_attention_heads=32, num_key_value_heads=4,
+                                       head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+                t = time.perf_counter()
+                write_random_qwen3_moe(src, cfg, seed=0, shard_bytes=2 << 30, progress=False)
+                print(f"random release written in {time.perf_counter() - t:.0f} s", flush=True)
             t = time.perf_counter()
-            logits = m.forward(torch.tensor([nxt]), state, pos, last_only=True)[-1]
-            torch.cuda.synchronize()
-            if i >= 8:
-                steps.append(time.perf_counter() - t)
-            pos += 1
-        ops, by_op = count_ops(lambda: m.forward(torch.tensor([nxt]), state, pos, last_only=True))
-        cfg = eng.container.config
-        embed = cfg["vocab_size"] * cfg["hidden_size"] * 2
-        per_token = man["trunk"]["bytes"] - embed + cfg["moe"]["top_k"] * man["experts"]["record_bytes"] * len(
-            man["experts"]["layers"])
-        rate = hbm_rate()
-        med = statistics.median(steps)
-        print(f"{a.layers} layers, {a.experts} experts, bf16 compute on {torch.cuda.get_device_name()}: "
-              f"{1 / med:.1f} tok/s ({1e3 * med:.2f} ms per token, range {1e3 * min(steps):.2f}-{1e3 * max(steps):.2f}); "
-              f"{per_token / 1e6:.0f} MB per token / HBM {rate / 1e9:.0f} GB/s = bound {rate / per_token:.0f} tok/s "
-              f"({per_token / med / rate * 100:.1f}% of it); "
-              f"{ops} torch operators per step ({1e6 * med / ops:.1f} us each); most frequent: "
-              + ", ".join(f"{k} {v}" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:12]))
+            convert(src, out, experts=fmt, trunk="bf16", force=True, progress=False)
+            print(f"converted to {fmt} experts in {time.perf_counter() - t:.0f} s", flush=True)
+        with waste.load(out, device="cuda", dtype="bfloat16") as eng:
+            eng.experts.wait_fill()
+            m, man = eng.model, eng.container.manifest
+            cfg = eng.container.config
+            embed = cfg["vocab_size"] * cfg["hidden_size"] * 2
+            per_token = man["trunk"]["bytes"] - embed + cfg["moe"]["top_k"] * man["experts"]["record_bytes"] * len(
+                man["experts"]["layers"])
+            kernel, graphs = m.kernel, m.graphs
+            for v in a.variants.split(","):
+                if v == "gather":
+                    if fmt not in ("bf16", "q8"):
+                        continue
+                    m.kernel = moe.gather_float if fmt == "bf16" else moe.gather_q8
+                else:
+                    m.kernel = kernel
+                m.graphs = graphs if v in ("graphs", "whole") else None
+                if graphs is not None:
+                    graphs.whole = v == "whole"
+                steps, (nxt, state, pos) = decode(m, a.n)
+                m.graphs = None
+                ops, by_op = count_ops(lambda: m.forward(torch.tensor([nxt]), state, pos, last_only=True))
+                med = statistics.median(steps)
+                print(f"{a.layers} layers, {fmt} experts, {v}: {1 / med:.1f} tok/s ({1e3 * med:.2f} ms per token, "
+                      f"range {1e3 * min(steps):.2f}-{1e3 * max(steps):.2f}); {per_token / 1e6:.0f} MB per token / "
+                      f"HBM {rate / 1e9:.0f} GB/s = bound {rate / per_token:.0f} tok/s "
+                      f"({per_token / med / rate * 100:.1f}% of it); eager step {ops} torch operators "
+                      f"(launch floor {ops * floor / 1e3:.2f} ms = {1e6 / (ops * floor):.0f} tok/s); most frequent: "
+                      + ", ".join(f"{k} {v}" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:8]),
+                      flush=True)
+            m.kernel, m.graphs = kernel, graphs
+            bank_bytes = eng.experts.n_records * man["experts"]["record_bytes"]
+        if a.budget_frac:
+            with waste.load(out, device="cuda", dtype="bfloat16", budget=int(bank_bytes * a.budget_frac)) as eng:
+                st0 = eng.experts.stats.snapshot()
+                steps, _ = decode(eng.model, a.n)
+                st = eng.experts.stats
+                read = (st.bytes_read - st0.bytes_read) / (len(steps) + 8 + 1)
+                med = statistics.median(steps)
+                print(f"{a.layers} layers, {fmt} experts, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.1f} GB "
+                      f"bank (pinned host slab: {eng.experts.pinned}): {1 / med:.1f} tok/s ({1e3 * med:.1f} ms per "
+                      f"token); {read / 1e6:.0f} MB read per token on average; at the disk's 2.2 GB/s that is a "
+                      f"bound of {2.2e9 / max(read, 1):.1f} tok/s, at 55 GB/s pinned {55e9 / max(read, 1):.0f}",
+                      flush=True)
+        if a.vram_frac:
+            with waste.load(out, device="cuda", dtype="bfloat16", vram=int(bank_bytes * a.vram_frac)) as eng:
+                eng.experts.wait_fill()
+                ex = eng.experts
+                c0 = ex.tier_copies
+                steps, _ = decode(eng.model, a.n)
+                up = (ex.tier_copies - c0) * man["experts"]["record_bytes"] / (len(steps) + 8 + 1)
+                med = statistics.median(steps)
+                print(f"{a.layers} layers, {fmt} experts, VRAM tier {a.vram_frac:.2f} of the "
+                      f"{bank_bytes / 1e9:.1f} GB "
+                      f"bank over the whole bank in pinned host memory (pinned: {ex.pinned}): {1 / med:.1f} tok/s "
+                      f"({1e3 * med:.2f} ms per token); {up / 1e6:.1f} MB copied up per token on average: at 55 GB/s "
+                      f"a bound of {55e9 / max(up, 1):.0f} tok/s ({up / med / 55e9 * 100:.0f}% of the link)",
+                      flush=True)
+    if a.peer and (src / "config.json").is_file():
+        peer_transformers(src, a.n)
+    shutil.rmtree(src, ignore_errors=True)
+
+
+@torch.inference_mode()
+def peer_transformers(src: Path, n: int) -> None:
+    """transformers' own Qwen3-MoE on the same release, bf16 on the GPU, greedy decode after the same prompt."""
+    import transformers
+    t = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map="cuda")
+    print(f"transformers {transformers.__version__} loaded in {time.perf_counter() - t:.0f} s", flush=True)
+    ids = torch.arange(3, 35, device="cuda")[None]
+    out = model(ids, use_cache=True)
+    pkv, steps = out.past_key_values, []
+    for i in range(n + 8):
+        nxt = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model(nxt, past_key_values=pkv, use_cache=True)
+        torch.cuda.synchronize()
+        pkv = out.past_key_values
+        if i >= 8:
+            steps.append(time.perf_counter() - t)
+    med = statistics.median(steps)
+    print(f"peer: transformers bf16 on the GPU, eager: {1 / med:.1f} tok/s ({1e3 * med:.2f} ms per token)", flush=True)
+    del model
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

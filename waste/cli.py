@@ -139,7 +139,8 @@ def _load(a, model):
     def load():
         return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
                            preload=False if a.no_preload else None, experts_per_token=a.experts_per_token,
-                           device=a.device, prefetch=not a.no_prefetch, expert_parallel=ep)
+                           device=a.device, prefetch=not a.no_prefetch, ram=a.ram, vram=a.vram,
+                           expert_parallel=ep)
     return load() if ep is None else ep.load(load)
 
 
@@ -155,8 +156,13 @@ def _engine_args(p):
                         "prefetch; outputs are the same bits either way)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     p.add_argument("--device", default="cpu",
-                   help="cpu (default), or cuda: trunk and expert slab in GPU memory (first step of the CUDA backend: "
-                        "bf16 / f16 / f32 / q8 experts; `auto` picks cuda when a GPU is present)")
+                   help="cpu (default), or cuda: trunk and expert slab in GPU memory (bf16 / f16 / f32 / q8 experts; "
+                        "q4 / mxfp4 with triton installed); `auto` picks cuda when a GPU is present")
+    p.add_argument("--vram", default=None,
+                   help="with --device cuda: expert records kept in GPU memory (bytes or K/M/G suffix); the rest of "
+                        "the expert budget is a pinned host tier below them (default: what the GPU's free memory "
+                        "holds, at most the budget)")
+    p.add_argument("--ram", default=None, help="plan the expert budget as if the machine had this much memory")
     p.add_argument("--experts-per-token", type=int, default=None, metavar="K",
                    help="route each token to K experts instead of the release's number (fewer: faster, at a quality "
                         "cost; docs/LEARNED.md measures it)")
@@ -182,6 +188,7 @@ def _routing_top_k(verb: str):
 def cmd_plan(a):
     from .runtime.dtype import resolve_dtype
     from .runtime.plan import plan_memory
+    from .runtime.vram import vram_lines, vram_plan
     from .units import parse_size
 
     check(params.engine, a.context, 1)
@@ -192,15 +199,22 @@ def cmd_plan(a):
         return _plan_ranks(a, c)
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
                     None if a.budget is None else parse_size(a.budget))
+    dev = a.device
+    if dev == "auto":
+        import torch
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    elif dev != "cpu" and not dev.startswith("cuda"):
+        raise WasteError(f"unknown device {dev!r}; choose cpu, cuda or auto")
+    vp = vram_plan(p, dev, None if a.vram is None else parse_size(a.vram))     # planned here even without a GPU
     if a.json:
-        print(json.dumps(p.to_json(), indent=1))
+        print(json.dumps({**p.to_json(), **vp}, indent=1))
     else:
         lines = p.lines()      # the floor counts the trunk in memory; `waste info` gives its size on disk
         at = next((i + 1 for i, l in enumerate(lines) if l.startswith("floor")), len(lines))
         dt = str(resolve_dtype(a.dtype, c)).removeprefix("torch.")
         lines.insert(at, f"{'trunk':<16}{_fmt_bytes(p.trunk_bytes)} in memory ({dt} compute, f32 norms/routers), "
                          f"{_fmt_bytes(c.manifest['trunk']['bytes'])} on disk ({c.manifest['trunk']['format']})")
-        print("\n".join(lines))
+        print("\n".join(lines + vram_lines(vp)))
     if p.warning:
         print(f"waste: warning: {p.warning}", file=sys.stderr)
 
@@ -600,6 +614,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--placement", default="id", metavar="id|trace:FILE",
                     help="with --expert-parallel: experts in blocks of ids (default) or spread by a routing trace's "
                          "measured frequency (then each rank's share of the routed pairs is printed)")
+    pl.add_argument("--device", default="cpu", help="cpu (default), cuda or auto: with cuda, the two-tier plan "
+                    "(VRAM budget over the host budget)")
+    pl.add_argument("--vram", default=None, help="with --device cuda: plan this much GPU memory for expert records "
+                    "(default: what this machine's GPU has free)")
     pl.set_defaults(fn=cmd_plan)
 
     b = sub.add_parser("bench", help="measure prefill and decode speed, cache hit rate and bytes read")

@@ -17,6 +17,7 @@ from .quant.linear import assemble_trunk
 from .runtime.cache import ExpertCache
 from .runtime.dtype import resolve_dtype
 from .runtime.plan import MemoryPlan, plan_memory
+from .runtime.vram import vram_budget
 from .units import parse_size
 from .runtime.sampling import Sampler, SamplingParams
 
@@ -225,13 +226,14 @@ class Engine:
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
              experts_per_token: int | None = None, dump_dsa: bool | None = None, device: str = "cpu",
-             prefetch: bool = True, expert_parallel=None) -> "Engine":
+             prefetch: bool = True, vram=None, expert_parallel=None) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
         WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). experts_per_token:
         route each token to this many experts instead of the release's number (1 .. that; a quality trade).
         dump_dsa (None follows WASTE_DUMP_DSA): print each DSA indexer selection to stderr (GLM-5.3).
-        device: "cpu", or "cuda" (the trunk and the expert slab in GPU memory: the first step of the CUDA backend;
-        float and q8 expert formats). prefetch: read the next MoE layer's predicted experts while this one
+        device: "cpu", "auto", or "cuda" (the trunk and the expert slab in GPU memory; float and q8 expert formats,
+        q4 and mxfp4 with triton). vram (cuda): bytes or "8G" of expert records in GPU memory, the rest of the
+        budget a pinned host tier below them (runtime/vram.py; default: what the GPU's free memory holds). prefetch: read the next MoE layer's predicted experts while this one
         computes (the same bits either way). expert_parallel: this process's runtime.parallel.ExpertParallel (it
         holds and plans for its share of the experts; the others' are computed by their ranks)."""
         if preload is None:
@@ -260,8 +262,9 @@ class Engine:
             tokenizer = load_tokenizer(container.root)
             trunk = assemble_trunk(container.load_trunk(verify=verify), container.manifest["trunk"])
             dev = resolve_device(device)
+            vb = vram_budget(plan, dev, None if vram is None else parse_size(vram))
             experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
-                                  direct=direct, device=dev, prefetch=prefetch, owned=owned)
+                                  direct=direct, device=dev, prefetch=prefetch, vram=vb, owned=owned)
             if ep is not None:
                 experts = ep.store(experts)
             f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()

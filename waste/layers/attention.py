@@ -56,6 +56,23 @@ class KVCache:
         out._k, out._v = self._k.append(k), self._v.append(v)
         return out
 
+    def can_put(self, T: int = 1) -> bool:
+        return self._k.can_put(T) and self._v.can_put(T)
+
+    def put(self, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> "KVCache":
+        """append() at the positions `at` (a tensor; Rows.put): for a captured decode step."""
+        out = KVCache.__new__(KVCache)
+        out._k, out._v = self._k.put(k, at), self._v.put(v, at)
+        return out
+
+    def advance(self, T: int = 1) -> "KVCache":
+        out = KVCache.__new__(KVCache)
+        out._k, out._v = self._k.advance(T), self._v.advance(T)
+        return out
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k.buffer, self._v.buffer
+
     def reset(self) -> "KVCache":
         out = KVCache.__new__(KVCache)
         out._k, out._v = self._k.reset(), self._v.reset()
@@ -102,16 +119,31 @@ def sdpa_attend(q, k, v, start: int) -> torch.Tensor:
     return o[0].transpose(0, 1)
 
 
-def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, rope):
+def masked_attend(q, k, v, keep: torch.Tensor) -> torch.Tensor:
+    """Attention of q [T, H, d] over all of k / v [L, G, d] where keep [T, L] (bool) allows: the fixed-shape form
+    a captured decode step uses (the keys past the position masked, not sliced off)."""
+    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    kw = dict(attn_mask=keep, enable_gqa=q.shape[1] != k.shape[1])
+    if q.device.type == "cuda":
+        with sdpa_kernel(_CUDA_SDPA):
+            o = F.scaled_dot_product_attention(*args, **kw)
+    else:
+        o = F.scaled_dot_product_attention(*args, **kw)
+    return o[0].transpose(0, 1)
+
+
+def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, rope, static=None):
     """One GQA layer over one sequence's new rows x [T, hidden]; rope: (cos, sin, R) from layers/rope.py's
-    RopeTable.at and its R, or the positions [T]. w may hold q, k and v stacked as `qkv_proj.weight` (fuse_rows)."""
+    RopeTable.at and its R, or the positions [T]. w may hold q, k and v stacked as `qkv_proj.weight` (fuse_rows).
+    static: (positions tensor [T], L) for a captured decode step: the rows are put at the positions and attention
+    reads the first L rows of the cache's buffer, those past the positions masked (the cache can_put T rows)."""
     T = x.shape[0]
     H, KV, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "qkv_proj.weight" in w:
         qkv = linear(x, w["qkv_proj.weight"], w.get("qkv_proj.bias"))
     else:
         qkv = torch.cat([linear(x, w[f"{p}_proj.weight"], w.get(f"{p}_proj.bias")) for p in "qkv"], dim=-1)
-    if isinstance(rope, tuple) and attention_cpu.usable(qkv, cache.k):
+    if static is None and isinstance(rope, tuple) and attention_cpu.usable(qkv, cache.k):
         # one decode row on the CPU: norms, rotary, the cache write and attention in one call
         n, grown = len(cache), KVCache.__new__(KVCache)
         (kb, grown._k), (vb, grown._v) = cache._k.claim(1), cache._v.claim(1)
@@ -132,6 +164,13 @@ def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, rope):
             q, k = apply_rope_table(q, cos, sin, R), apply_rope_table(k, cos, sin, R)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if static is not None:
+        at, L = static
+        cache = cache.put(k, v, at)
+        kb, vb = cache.buffers()
+        keep = torch.arange(L, device=x.device)[None, :] <= at[:, None]
+        o = masked_attend(q, kb[:L], vb[:L], keep)
+        return linear(o.reshape(T, H * d), w["o_proj.weight"]), cache
     start = len(cache)
     cache = cache.append(k, v)
     o = sdpa_attend(q, cache.k, cache.v, start)

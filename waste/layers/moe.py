@@ -218,7 +218,7 @@ def expert_pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, kernel: Kerne
     """Each pair's expert output [T, k, h] (unweighted). complete=False: some slots are -1 (another group of the
     layer's experts holds them); their pairs are left zero. Every kernel is exact per pair whatever else is in the
     call, so a pair computes to the same bits in whichever group its expert lands."""
-    if complete:
+    if complete or getattr(kernel, "any_slots", False):     # (moe_triton: exact per pair, -1 pairs left zero)
         return kernel(x, slots, bank)
     if slots.shape[0] != 1:
         return segments(x, slots, bank)        # one matmul per expert over all its rows: the same in any group

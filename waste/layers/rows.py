@@ -59,6 +59,27 @@ class Rows:
         out._b, out.n = b, self.n + T
         return b.t, out
 
+    def can_put(self, T: int) -> bool:
+        """Whether put() of T rows writes into this buffer (no branch, room left): a CUDA graph's fixed address."""
+        return self.n == self._b.filled and self.n + T <= self._b.t.shape[0]
+
+    def put(self, x: torch.Tensor, at: torch.Tensor) -> "Rows":
+        """append() with the position given as a tensor [T] on the buffer's device (a CUDA graph replays it at
+        each step's position); the caller checked can_put. The whole buffer stays addressable through `buffer`."""
+        self._b.t.index_copy_(0, at, x)
+        return self.advance(x.shape[0])
+
+    def advance(self, T: int) -> "Rows":
+        """The Rows T rows longer, their rows already written in the buffer (by a replayed put)."""
+        self._b.filled = self.n + T
+        out = Rows.__new__(Rows)
+        out._b, out.n = self._b, self.n + T
+        return out
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self._b.t
+
     def reset(self) -> "Rows":
         """No rows, over the same buffer (a finished sequence's state reused for the next one: its memory was
         allocated and touched once, at the planned context). Earlier versions of this Rows must not be read after."""

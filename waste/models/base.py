@@ -17,11 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.mlp import dense_mlp
+from ..layers.gpu import cuda_kernels
 from ..layers.moe import kernel_for, routed_groups
 from ..layers.norm import rms_norm
 from ..layers.router import sigmoid_grouped_topk, softmax_topk
 from ..quant.linear import linear
 from ..timing import NO_TIMER
+from .graphs import DecodeGraphs
 
 
 def _on_device(t, dtype, device: torch.device):
@@ -63,9 +65,13 @@ class DecoderModel:
             for k in ("mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
                 if k in lw:
                     lw[k] = lw[k].float()
+        if self.device.type == "cuda":
+            cuda_kernels()           # the triton kernels (slots read in place), where triton imports
         make_bank = getattr(experts, "make_bank", None)
         self.bank = make_bank(self.device) if make_bank is not None and self.moe else None
         self.kernel = kernel_for(self.bank.fmt, self.device) if self.bank is not None else None
+        # a GPU decode step is replayed as CUDA graphs once every expert is resident (graphs.py)
+        self.graphs = DecodeGraphs(self) if self.device.type == "cuda" and self.bank is not None else None
         self._pool: list[list] = []             # states of finished sequences, emptied (take_state)
         self._pool_lock = threading.Lock()
 
@@ -165,6 +171,10 @@ class DecoderModel:
         if self.dense[i]:
             with timer.section("trunk matvec"):
                 return [self.ffn(x, lw, "mlp.") for x in xs]
+        if self.graphs is not None and len(xs) == 1:
+            y = self.graphs.mlp(i, xs[0])
+            if y is not None:
+                return [y]
         with timer.section("router"):
             route = self.route if self.router is None else self.router
             routed = [route(i, x) for x in xs]
@@ -184,19 +194,33 @@ class DecoderModel:
                 ys = [y + self.ffn(x, lw, "mlp.shared_experts.") for x, y in zip(xs, ys)]
         return ys
 
+    def graph_state(self, state, start: int):
+        """Family hook: the key of a captured whole decode step for this sequence's state (its buffers), or None
+        where the family's attention has no fixed-shape form (then only the MoE layers are graphed)."""
+        return None
+
     @torch.inference_mode()
     def step(self, items: list, last_only: bool = True) -> list[torch.Tensor]:
         """items [(ids [T], state, start)], one per sequence, each continuing its sequence of `start` tokens ->
         float32 logits per sequence ([1, V] with last_only, else [T, V]). The one forward of prefill and decode, of
         one request (Engine.generate) and of a batch (the server's scheduler); a sequence's logits are bit-identical
         alone or batched."""
+        if self.graphs is not None:            # one sequence's decode step replayed as one CUDA graph (graphs.py)
+            out = self.graphs.step(items, last_only)
+            if out is not None:
+                return out
+        return [t if t.device.type == "cpu" else t.cpu() for t in self.step_logits(items, last_only)]  # sampling: host
+
+    def step_logits(self, items: list, last_only: bool = True, static=None) -> list[torch.Tensor]:
+        """step's logits on the model's device. static: (position tensor [1], L) for a captured decode step
+        (graphs.py): the family's attention reads the position from the tensor and attends over L cache rows."""
         hs, positions, scratch = [], [], []
         for ids, _, start in items:
             if ids.device != self.device:
                 ids = ids.to(self.device)
             hs.append(self.stream_in(F.embedding(ids, self.embed)))
             positions.append(torch.arange(start, start + ids.shape[0], device=self.device))
-            scratch.append({"start": start})
+            scratch.append({"start": start} if static is None else {"start": start, "static": static})
         for i, lw in enumerate(self.layers):
             normed, ctxs = [], []
             for j, (_, state, _) in enumerate(items):
@@ -216,8 +240,7 @@ class DecoderModel:
             if last_only:
                 x = x[-1:]
             with self.timer.section("trunk matvec"):
-                logits = linear(rms_norm(x, self.norm, self.eps), self.head).float()
-            out.append(logits if logits.device.type == "cpu" else logits.cpu())     # sampling runs on the host
+                out.append(linear(rms_norm(x, self.norm, self.eps), self.head).float())
         return out
 
     def forward(self, ids: torch.Tensor, state: list, start: int, last_only: bool = False) -> torch.Tensor:

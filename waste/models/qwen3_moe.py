@@ -37,9 +37,21 @@ class Qwen3Moe(DecoderModel):
         return KVCache.empty(self.attn_cfg, self.dtype, self.capacity, self.device)
 
     def attend(self, i, x, state, positions, scratch):
+        static = scratch.get("static")       # a captured decode step: the position is a tensor (models/graphs.py)
         if "rope" not in scratch:            # once per sequence and step, shared by every layer
-            scratch["rope"] = (*self.rope.at(scratch["start"], x.shape[0]), self.rope.R)
-        return gqa_forward(x, self.attn_w[i], self.attn_cfg, state, scratch["rope"])
+            if static is not None:
+                at = static[0]
+                scratch["rope"] = (self.rope.cos.index_select(0, at), self.rope.sin.index_select(0, at), self.rope.R)
+            else:
+                scratch["rope"] = (*self.rope.at(scratch["start"], x.shape[0]), self.rope.R)
+        return gqa_forward(x, self.attn_w[i], self.attn_cfg, state, scratch["rope"], static)
+
+    def graph_state(self, state, start: int):
+        """The buffers a captured decode step of this sequence writes (the key of its graph), or None where one
+        cannot run: a cache that would branch or grow, or a position past the rope table."""
+        if start + 1 > self.rope.cos.shape[0] or not all(s.can_put(1) for s in state):
+            return None
+        return tuple(b.data_ptr() for s in state for b in s.buffers())
 
 
 FAMILY = Family("qwen3_moe", Qwen3Moe, "adapter_qwen3_moe:Qwen3MoeAdapter",

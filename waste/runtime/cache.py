@@ -25,6 +25,7 @@ from ..errors import WasteError
 from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
 from ..container.bank import _DTYPES
+from ..layers.gpu import cuda_kernels
 from ..layers.moe import MATRICES, Bank
 from .experts import ExpertStats, expert_act, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
@@ -37,7 +38,7 @@ class ExpertCache:
     def __init__(self, container: Container, budget_bytes: int | None, dtype: torch.dtype, threads: int = 4,
                  preload: bool = True, verify: bool = True, direct: bool = True,
                  half_life: float | None = None, device: str = "cpu",
-                 prefetch: bool = True, owned: dict[int, list[int]] | None = None):
+                 prefetch: bool = True, vram: int | None = None, owned: dict[int, list[int]] | None = None):
         ex, cfg = container.manifest["experts"], container.config
         self.device = torch.device(device)
         self.banks = container.banks
@@ -63,11 +64,31 @@ class ExpertCache:
                              f"({self.record_bytes} bytes): raise --budget")
         self.budget_bytes = self.n_slots * self.record_bytes
         self._mm, self.slab = aligned_buffer(self.n_slots * self.record_bytes)
-        # on a GPU: a mirror of the slab in its memory, slot for slot; a slot read from disk is copied up before
-        # a layer uses it (the first step of the CUDA backend: one tier, as large as the host budget)
-        self.dev_slab = (torch.empty(self.n_slots * self.record_bytes, dtype=torch.uint8, device=self.device)
-                         if self.device.type != "cpu" else None)
+        # the compute tier (`vram`: its bytes): on a GPU a slab in its memory that the kernels read. As large as the
+        # host slab, it mirrors it slot for slot (a slot read from disk is copied up before a layer uses it);
+        # smaller, it holds the most recently used of the host slab's records in slots of its own (`_tier`), the
+        # host slab (pinned) the tier below it. A smaller tier on the CPU exercises the same logic (tests).
+        self.n_dev = self.n_slots
+        if vram is not None:
+            self.n_dev = min(self.n_slots, vram // self.record_bytes if self.record_bytes else 0)
+            if self.banks and self.n_dev < 1:
+                raise WasteError(f"--vram {vram} bytes is smaller than one expert record ({self.record_bytes} bytes): "
+                                 f"raise --vram")
+        self.tiered = self.n_dev < self.n_slots
+        self.vram_bytes = self.n_dev * self.record_bytes
+        self.dev_slab = (torch.empty(self.vram_bytes, dtype=torch.uint8, device=self.device)
+                         if self.device.type != "cpu" or self.tiered else None)
+        if self.tiered:
+            self.dev_of = np.full(self.n_slots, -1, dtype=np.int64)     # host slot -> tier slot, -1: not up
+            self.host_of = np.full(self.n_dev, -1, dtype=np.int64)      # tier slot -> host slot
+            self.dev_used = np.zeros(self.n_dev, dtype=np.int64)        # the call that last used it (LRU)
+            self.calls = 0
+            self.tier_copies = 0
+        # the host slab pinned (page-locked) for the GPU: its copies up run at the link's rate (55 GB/s on the H200
+        # against 9.2 pageable, shared/reference/machine.md §E); False where the driver refused (speed only)
+        self.pinned = self._pin() if self.device.type != "cpu" and self.n_slots else False
         self._dirty: set[int] = set()
+        self._dev_map: torch.Tensor | None = None      # device_map()
         self.slot_of: dict[tuple[int, int], int] = {}
         self.key_of: list[tuple[int, int] | None] = [None] * self.n_slots
         self.free = list(range(self.n_slots - 1, -1, -1))
@@ -104,6 +125,13 @@ class ExpertCache:
             self.fill_thread = threading.Thread(target=self._fill, name="waste-fill", daemon=True)
             self.fill_thread.start()
 
+    def _pin(self) -> bool:
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.slab.data_ptr(), self.slab.numel(), 0))
+        except (RuntimeError, AttributeError):
+            return False
+        return True
+
     # -- slots -------------------------------------------------------------------------------------
     def slot_tensor(self, slot: int) -> torch.Tensor:
         return self.slab[slot * self.record_bytes:(slot + 1) * self.record_bytes]
@@ -136,7 +164,7 @@ class ExpertCache:
 
     def _read(self, key, slot) -> float:
         dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
-        if self.repack and self.dev_slab is None:   # this torch's CPU kernel wants another layout (q4 off AVX-512)
+        if self.repack and self.device.type == "cpu":   # this torch's CPU kernel wants another layout (q4 off AVX-512)
             prepare_record(self._slot_parts(slot), self.fmt, self.shapes)
         if self.dev_slab is not None:
             with self.lock:
@@ -147,10 +175,49 @@ class ExpertCache:
         """Copy the slots read since the last layer up to the device's mirror."""
         with self.lock:
             dirty, self._dirty = self._dirty, set()
-        if dirty:
+        if dirty and self.tiered:        # a host slot read anew: its tier copy (if any) is stale
+            for s in dirty:
+                d = self.dev_of[s]
+                if d >= 0:
+                    self.host_of[d], self.dev_of[s] = -1, -1
+        elif dirty:
             rows, dev = self.slab.view(self.n_slots, self.record_bytes), self.dev_slab.view(self.n_slots, -1)
             for s in sorted(dirty):
                 dev[s].copy_(rows[s])
+
+    def _tier(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host slots -> tier slots: the records not up yet are copied into free or least recently used tier slots
+        (never one this group uses), -1 stays -1. A group is computed before the store yields the next (and on a
+        GPU the copies queue behind its kernels), so only its own slots are held; resident() makes groups of at
+        most n_dev experts."""
+        need = np.unique(np.concatenate([s.numpy().ravel() for s in slots]))
+        need = need[need >= 0]
+        self.calls += 1
+        up = self.dev_of[need]
+        in_call = set(up[up >= 0].tolist())
+        self.dev_used[up[up >= 0]] = self.calls
+        miss = need[up < 0]
+        if len(miss):
+            busy = np.zeros(self.n_dev, dtype=bool)
+            busy[list(in_call)] = True
+            cand = np.flatnonzero(~busy)
+            if len(cand) < len(miss):     # (resident() keeps groups within n_dev)
+                raise RuntimeError(f"a group of {len(need)} experts for a tier of {self.n_dev} slots")
+            # free slots first (never used: 0; stale: host_of -1), then the least recently used
+            key = np.where(self.host_of[cand] < 0, -1, self.dev_used[cand])
+            chosen = cand[np.argsort(key, kind="stable")[:len(miss)]]
+            rows, dev = self.slab.view(self.n_slots, self.record_bytes), self.dev_slab.view(self.n_dev, -1)
+            for s, d in zip(miss.tolist(), chosen.tolist()):
+                old = self.host_of[d]
+                if old >= 0:
+                    self.dev_of[old] = -1
+                dev[d].copy_(rows[s])        # from the pinned host slab: at the link's rate
+                self.host_of[d], self.dev_of[s] = s, d
+                self.dev_used[d] = self.calls
+                in_call.add(d)
+            self.tier_copies += len(miss)
+        lut = torch.from_numpy(self.dev_of)
+        return [torch.where(s >= 0, lut[s.clamp_min(0)], s) for s in slots]
 
     # -- background fill ---------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -185,24 +252,26 @@ class ExpertCache:
         on a GPU, views of its mirror."""
         if torch.device(device).type != self.device.type:
             raise ValueError(f"the expert store holds its slab for {self.device}, not {device}")
-        if self.dev_slab is not None and self.fmt.kind not in ("float", "q8"):
-            raise WasteError(f"--device {self.device.type}: experts stored as {self.format} have no GPU kernel yet "
-                             f"(bf16, f16, f32 and q8 do): convert with --experts bf16 or q8, or use --device cpu")
-        slab = self.slab if self.dev_slab is None else self.dev_slab
-        rows = slab.view(max(self.n_slots, 1), self.record_bytes) if self.n_slots else None
+        kind = self.fmt.kind or self.fmt.name
+        if self.device.type != "cpu" and not (kind in ("float", "q8") or (kind in ("q4", "mxfp4") and cuda_kernels())):
+            raise WasteError(f"--device {self.device.type}: experts stored as {self.format} have no GPU kernel "
+                             f"(bf16, f16, f32 and q8 do; q4 and mxfp4 with triton installed): convert with "
+                             f"--experts bf16 or q8, install triton, or use --device cpu")
+        slab, n = (self.slab, self.n_slots) if self.dev_slab is None else (self.dev_slab, self.n_dev)
+        rows = slab.view(max(n, 1), self.record_bytes) if n else None
         parts: dict[str, dict[str, torch.Tensor]] = {m: {} for m in MATRICES}
         offsets = {}
         if rows is not None and self.layout is not None:
             for p in self.layout.parts:
                 m, _, suffix = p.name.partition(".")
-                t = rows[:, p.offset:p.offset + p.nbytes].view(_DTYPES[p.dtype]).view(self.n_slots, *p.shape)
+                t = rows[:, p.offset:p.offset + p.nbytes].view(_DTYPES[p.dtype]).view(n, *p.shape)
                 parts[m][suffix] = t
                 offsets[p.name] = (p.offset, p.nbytes, p.dtype)
         gate_up = None
         g, u = offsets.get("gate"), offsets.get("up")
         if g and u and g[2] == u[2] and u[0] == g[0] + g[1] and self.fmt.kind == "float":
             inter, h = self.shapes["gate"]
-            gate_up = rows[:, g[0]:g[0] + 2 * g[1]].view(_DTYPES[g[2]]).view(self.n_slots, 2 * inter, h)
+            gate_up = rows[:, g[0]:g[0] + 2 * g[1]].view(_DTYPES[g[2]]).view(n, 2 * inter, h)
         return Bank(parts, self.shapes, self.fmt, self.swiglu_limit, gate_up, self.act)
 
     def resident(self, layer: int, idxs: list[torch.Tensor], ahead: tuple[int, list[int]] | None = None):
@@ -214,6 +283,14 @@ class ExpertCache:
         is made resident in rounds of at most n_slots experts, each streamed the same way."""
         if self.damage is not None:
             raise self.damage
+        dev_map = self.device_map()
+        if dev_map is not None and len(idxs) == 1 and idxs[0].shape[0] == 1 and idxs[0].device.type != "cpu":
+            # every record is in the GPU's slab and none is ever evicted: the slots are looked up on the GPU, no
+            # host sync (one row's top-k ids are distinct: k hits)
+            self.count_hits(layer, idxs[0].numel())
+            yield [dev_map[layer][idxs[0]]], True
+            self.policy.advance(self.step)
+            return
         # the union on the host, through numpy: the ids are needed there anyway (which records to read)
         on_host = [i if i.device.type == "cpu" else i.cpu() for i in idxs]
         if sum(i.numel() for i in on_host) <= 256:      # decode: tolist dispatches no torch operator (numpy(): 3)
@@ -228,7 +305,7 @@ class ExpertCache:
             st.predicted_needed += len(union)
             if pred:
                 self.precision += PRECISION_DECAY * (len(pred.intersection(union)) / len(pred) - self.precision)
-        per = max(self.n_slots, 1)
+        per = max(min(self.n_slots, self.n_dev), 1)
         for g in range(0, len(union), per):
             group = union[g:g + per]
             waits = self._make_resident(layer, group)
@@ -239,15 +316,34 @@ class ExpertCache:
                 if self.dev_slab is not None:
                     self._flush()
                 m = self.layer_slots[layer]
-                yield self._to_device([m[i] for i in on_host]), True
+                yield self._up([m[i] for i in on_host]), True
                 continue
             for landed in self._landing(layer, group, waits):
                 if self.dev_slab is not None:
                     self._flush()
                 lut = torch.full_like(self.slot_map[layer], -1)
                 lut[landed] = self.slot_map[layer, landed]
-                yield self._to_device([lut[i] for i in on_host]), False
+                yield self._up([lut[i] for i in on_host]), False
         self.policy.advance(self.step)
+
+    def device_map(self) -> torch.Tensor | None:
+        """On a GPU, once the whole bank sits in the slab (the background fill done): the expert -> slot table in
+        GPU memory (fixed from then on: nothing is evicted when the bank fits), else None."""
+        if self._dev_map is None and self.dev_slab is not None and self.fits and not self.tiered and \
+                self.n_records and len(self.slot_of) == self.n_records and not self.loading:
+            self._flush()
+            self._dev_map = self.slot_map.to(self.device)
+        return self._dev_map
+
+    def count_hits(self, layer: int, n: int) -> None:
+        """n experts of this layer used from the slab (the GPU paths that never look at the ids on the host)."""
+        self.stats.hits += n
+        pl = self.stats.per_layer.setdefault(layer, [0, 0])
+        pl[0] += n
+
+    def _up(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The slots the kernels read: the compute tier's (copied up where missing), on the model's device."""
+        return self._to_device(self._tier(slots) if self.tiered else slots)
 
     def _to_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
         return slots if self.device.type == "cpu" else [s.to(self.device) for s in slots]
@@ -375,3 +471,6 @@ class ExpertCache:
         self.pool.shutdown(wait=True)
         for r in self.readers.values():
             r.close()
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
+            self.pinned = False

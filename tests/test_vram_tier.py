@@ -1,0 +1,90 @@
+"""The two-tier expert store (`--vram` below the host budget): a compute-tier slab holding the host slab's most
+recently used records, copied up as layers need them. Checked on the CPU, where a tier of the same kind runs the
+same mapping (on a GPU the tier is in its memory: tests/test_cuda.py), and the two-tier plan and its flags."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from waste.container import open_container
+from waste.convert.convert import convert
+from waste.convert.synthetic import qwen3_moe_config, write_random_qwen3_moe
+from waste.models import build_model
+from waste.quant.linear import assemble_trunk
+from waste.runtime.cache import ExpertCache
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tier")
+    write_random_qwen3_moe(root / "src", qwen3_moe_config(), seed=2)
+    return convert(root / "src", root / "m.waste", experts="bf16", trunk="bf16", progress=False)
+
+
+def run(path, vram):
+    c = open_container(path)
+    ex = ExpertCache(c, None, torch.float32, vram=vram, preload=False)
+    try:
+        f32 = set(c.manifest["trunk"].get("f32_tensors", []))
+        m = build_model(c.family, c.config, assemble_trunk(c.load_trunk(), c.manifest["trunk"]), ex, torch.float32,
+                        f32, capacity=256)
+        st = m.new_state()
+        out = [m.forward(torch.arange(3, 30), st, 0)]
+        tok, pos = int(out[0][-1].argmax()), 27
+        for _ in range(8):
+            out.append(m.forward(torch.tensor([tok]), st, pos))
+            tok, pos = int(out[-1][-1].argmax()), pos + 1
+        return torch.cat(out), ex
+    finally:
+        ex.close()
+        c.close()
+
+
+def test_a_small_tier_gives_the_same_bits_as_the_whole_bank(container):
+    ref, _ = run(container, None)
+    k = qwen3_moe_config()["num_experts_per_tok"]
+    rec = open_container(container).manifest["experts"]["record_bytes"]
+    out, ex = run(container, 3 * k * rec)            # three layers' worth of experts: records copied up and evicted
+    assert ex.tiered and ex.n_dev == 3 * k < ex.n_slots
+    assert ex.tier_copies > ex.n_dev                 # the tier did evict and refill
+    assert torch.equal(out, ref)
+
+
+def test_a_tier_of_one_record_computes_in_rounds(container):
+    """A tier smaller than one layer's experts: the layer is computed in rounds of what the tier holds, the same
+    bits again."""
+    ref, _ = run(container, None)
+    rec = open_container(container).manifest["experts"]["record_bytes"]
+    out, ex = run(container, rec)
+    assert ex.n_dev == 1 and torch.equal(out, ref)
+
+
+def cli(*args):
+    p = subprocess.run([sys.executable, "-m", "waste", *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in p.stderr, p.stderr
+    return p
+
+
+def test_plan_device_cuda_json_has_both_budgets(container):
+    rec = open_container(container).manifest["experts"]["record_bytes"]
+    p = cli("plan", container, "--device", "cuda", "--vram", 3 * rec + 5, "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["device"] == "cuda" and d["vram_budget_bytes"] == 3 * rec           # whole records
+    assert d["host_budget_bytes"] == d["budget_bytes"] and d["bank_bytes"] > d["vram_budget_bytes"]
+    assert d["tiers"] == "vram over pinned host"
+    big = json.loads(cli("plan", container, "--device", "cuda", "--vram", "100G", "--json").stdout)
+    assert big["vram_budget_bytes"] == big["budget_bytes"] and big["tiers"] == "mirror"   # at most the host budget
+    assert json.loads(cli("plan", container, "--json").stdout)["device"] == "cpu"
+
+
+def test_vram_flag_errors_are_clear(container):
+    p = cli("run", container, "hi", "-n", "1", "--vram", "1G")           # --device cpu (the default)
+    assert p.returncode == 1 and "--vram sizes the GPU's expert tier: it needs --device cuda" in p.stderr
+    p = cli("plan", container, "--device", "cuda", "--vram", "10")
+    assert p.returncode == 1 and "smaller than one expert record" in p.stderr
+    if not torch.cuda.is_available():
+        p = cli("plan", container, "--device", "cuda")
+        assert p.returncode == 1 and "give --vram SIZE" in p.stderr

@@ -1,0 +1,281 @@
+"""Triton kernels for a MoE layer's routed experts on a GPU, read in place from the expert slab's slots.
+
+layers/moe.py's registry picks these for ("float" | "q8" | "q4" | "mxfp4", "cuda") when triton imports. One row
+(decode) against its k pairs: one launch computes every pair's gate and up rows (the slot ids are read on the GPU,
+so no host sync and no gathered copy of a matrix), the activation is the bank's own (torch), and one launch computes
+every pair's down rows. Each program owns one pair and BN output rows and loops over K, accumulating in float32, so
+a pair's result does not depend on the other pairs in the call (moe.py's exactness rule). Layouts (docs/FORMAT.md):
+  float  W [slots, N, K]                                       y = W x
+  q8     q int8 [slots, N, K], scale f32 [slots, N]             y = (q x) * scale
+  q4     q uint8 [slots, N, K/2] (int4pack's 64-row blocks), sz bf16 [slots, K/g, N, 2]: W = (q - 8) s + z
+  mxfp4  blocks uint8 [slots, N, K/2] (low nibble = even k), scales uint8 [slots, N, K/32]: W = E2M1 * 2^(e-127)
+Float formats with more than one row (prefill) go through moe.segments: one matmul per distinct expert does
+better there; the packed formats have no torch GPU matmul, so their prefill pairs run here too (each reads its expert).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.lowbit import E2M1
+from .moe import Bank, register, segments
+
+# tiles per format kind (rows per program, columns per step, warps): the fastest of those timed on the H200 inside
+# a CUDA graph (docs/LEARNED.md §10); q4's columns per step are its group
+TILES = {"float": (16, 256, 8), "q8": (16, 256, 8), "q4": (16, 64, 4), "mxfp4": (8, 256, 4)}
+# q4's block kernel (each byte read once, K split over `split` programs) is opt-in: on the H200 it measured 63-103 us
+# a layer against the any-row kernel's 49 (docs/LEARNED.md §10)
+
+
+@triton.jit
+def _float_mv(x_ptr, sx, slot_ptr, w_ptr, ws, wn, y_ptr, sy, N, K, KDIV, NBLK, DW, DY,
+              BN: tl.constexpr, BK: tl.constexpr):
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
+    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
+    y_ptr = y_ptr + which * DY
+    nm = n < N
+    row = w_ptr + which * DW + slot * ws + n[:, None].to(tl.int64) * wn
+    xrow = x_ptr + (p // KDIV) * sx
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        xv = tl.load(xrow + k, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(row + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * xv[None, :], 1)
+    tl.store(y_ptr + p * sy + n, tl.where(held, acc, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _q8_mv(x_ptr, sx, slot_ptr, w_ptr, ws, wn, s_ptr, ss, y_ptr, sy, N, K, KDIV, NBLK, DW, DS, DY,
+           BN: tl.constexpr, BK: tl.constexpr):
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
+    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
+    y_ptr = y_ptr + which * DY
+    nm = n < N
+    row = w_ptr + which * DW + slot * ws + n[:, None].to(tl.int64) * wn
+    xrow = x_ptr + (p // KDIV) * sx
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        xv = tl.load(xrow + k, mask=km, other=0.0).to(tl.float32)
+        q = tl.load(row + k[None, :], mask=nm[:, None] & km[None, :], other=0).to(tl.float32)
+        acc += tl.sum(q * xv[None, :], 1)
+    s = tl.load(s_ptr + which * DS + slot * ss + n, mask=nm, other=0.0)
+    tl.store(y_ptr + p * sy + n, tl.where(held, acc * s, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _q4_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, sy, N, K, NFULL, KDIV, NBLK, DW, DS, DY,
+           BN: tl.constexpr, G: tl.constexpr):
+    # int4pack's layout: rows in blocks of 64, byte j of column k of a full block holds rows j (low) and j + 32
+    # (high); the tail block of nb rows holds rows 2j (low) and 2j + 1 (high). Both are base(n) + k * kstride(n).
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
+    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
+    y_ptr = y_ptr + which * DY
+    nm = n < N
+    full = n < NFULL
+    t = n - NFULL
+    base = tl.where(full, (n // 64) * (K * 32) + (n % 32), NFULL * (K // 2) + t // 2).to(tl.int64)
+    kstride = tl.where(full, 32, (N - NFULL) // 2)
+    shift = tl.where(full, ((n % 64) // 32) * 4, (t % 2) * 4)
+    qrow = q_ptr + which * DW + slot * qs + base
+    srow = sz_ptr + which * DS + slot * szs + n.to(tl.int64) * szn
+    xrow = x_ptr + (p // KDIV) * sx
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, K, G):
+        k = k0 + tl.arange(0, G)
+        xv = tl.load(xrow + k).to(tl.float32)
+        b = tl.load(qrow[:, None] + k[None, :].to(tl.int64) * kstride[:, None], mask=nm[:, None], other=0)
+        q = ((b.to(tl.int32) >> shift[:, None]) & 15).to(tl.float32) - 8.0
+        gi = k0 // G
+        s = tl.load(srow + gi * szg, mask=nm, other=0.0).to(tl.float32)
+        z = tl.load(srow + gi * szg + 1, mask=nm, other=0.0).to(tl.float32)
+        w = q * s[:, None] + z[:, None]
+        acc += tl.sum(w * xv[None, :], 1)
+    tl.store(y_ptr + p * sy + n, tl.where(held, acc, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _q4_block_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, sy, ssplit, N, K, KDIV, NBLK, DW,
+                 DS, DY, KCH, G: tl.constexpr):
+    # N a multiple of 64 (every block full): a program owns one 64-row block, reads each byte once (rows j and
+    # j + 32 from its two nibbles; 32 bytes of a column contiguous) over KCH columns, its split's share of K
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK
+    blk = tl.program_id(1) % NBLK
+    y_ptr = y_ptr + which * DY + tl.program_id(2) * ssplit
+    j = tl.arange(0, 32)
+    qblk = q_ptr + which * DW + slot * qs + blk.to(tl.int64) * (K * 32)
+    lo_n = blk * 64 + j
+    srow_lo = sz_ptr + which * DS + slot * szs + lo_n.to(tl.int64) * szn
+    srow_hi = srow_lo + 32 * szn
+    xrow = x_ptr + (p // KDIV) * sx
+    acc_lo = tl.zeros([32], tl.float32)
+    acc_hi = tl.zeros([32], tl.float32)
+    k_lo = tl.program_id(2) * KCH
+    for k0 in range(k_lo, k_lo + KCH, G):
+        k = k0 + tl.arange(0, G)
+        xv = tl.load(xrow + k).to(tl.float32)
+        b = tl.load(qblk + k[None, :].to(tl.int64) * 32 + j[:, None]).to(tl.int32)
+        gi = k0 // G
+        s_lo = tl.load(srow_lo + gi * szg).to(tl.float32)
+        z_lo = tl.load(srow_lo + gi * szg + 1).to(tl.float32)
+        s_hi = tl.load(srow_hi + gi * szg).to(tl.float32)
+        z_hi = tl.load(srow_hi + gi * szg + 1).to(tl.float32)
+        xs = tl.sum(xv, 0)
+        acc_lo += s_lo * tl.sum(((b & 15).to(tl.float32) - 8.0) * xv[None, :], 1) + z_lo * xs
+        acc_hi += s_hi * tl.sum(((b >> 4).to(tl.float32) - 8.0) * xv[None, :], 1) + z_hi * xs
+    tl.store(y_ptr + p * sy + lo_n, tl.where(held, acc_lo, 0.0).to(y_ptr.dtype.element_ty))
+    tl.store(y_ptr + p * sy + lo_n + 32, tl.where(held, acc_hi, 0.0).to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _mx_mv(x_ptr, sx, slot_ptr, b_ptr, bs, bn, e_ptr, es, en, lut_ptr, pow2_ptr, y_ptr, sy, N, K, KDIV, NBLK, DW, DS,
+           DY, BN: tl.constexpr, BK: tl.constexpr):
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
+    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
+    y_ptr = y_ptr + which * DY
+    nm = n < N
+    brow = b_ptr + which * DW + slot * bs + n[:, None].to(tl.int64) * bn
+    erow = e_ptr + which * DS + slot * es + n[:, None].to(tl.int64) * en
+    xrow = x_ptr + (p // KDIV) * sx
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        m2 = nm[:, None] & km[None, :]
+        xv = tl.load(xrow + k, mask=km, other=0.0).to(tl.float32)
+        c = tl.load(brow + (k // 2)[None, :], mask=m2, other=0).to(tl.int32)
+        c = (c >> ((k % 2) * 4)[None, :]) & 15
+        e = tl.load(erow + (k // 32)[None, :], mask=m2, other=0).to(tl.int32)
+        w = tl.load(lut_ptr + c) * tl.load(pow2_ptr + e)
+        acc += tl.sum(w * xv[None, :], 1)
+    tl.store(y_ptr + p * sy + n, tl.where(held, acc, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+_TABLES: dict = {}
+
+
+def _tables(device):
+    t = _TABLES.get(device)
+    if t is None:
+        pow2 = torch.tensor([2.0 ** (e - 127) for e in range(256)], dtype=torch.float32)
+        t = _TABLES[device] = (E2M1.to(device), pow2.to(device))
+    return t
+
+
+def _delta(a: torch.Tensor, b: torch.Tensor) -> int:
+    """b's offset from a in elements, where b is a as another matrix of the same record (same shape, strides)."""
+    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
+        raise ValueError("the two matrices of a fused launch must have the same layout")
+    d, r = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    if r:
+        raise ValueError("matrix parts not aligned to their element size")
+    return d
+
+
+def matvec(ms: tuple[str, ...], x: torch.Tensor, slots: torch.Tensor, bank: Bank, out: torch.Tensor, kdiv: int,
+           bn: int | None = None, bk: int | None = None, warps: int | None = None,
+           split: int | None = None) -> torch.Tensor:
+    """out[j, p] = W_{ms[j], slots[p]} x[p // kdiv] for one or two matrices ms of the same shape (gate and up),
+    every pair p, in one launch; x [rows, K] with unit column stride, out [len(ms), P, N] (contiguous rows).
+    Tiles default to the format kind's TILES. split (q4 with N % 64 == 0): the block kernel, K's parts summed in
+    float32."""
+    N, K = bank.shapes[ms[0]]
+    P = slots.numel()
+    ps, kind = bank.parts[ms[0]], bank.fmt.kind or bank.fmt.name
+    dbn, dbk, dw = TILES.get(kind, (16, 128, 4))
+    bn, bk, warps = bn or dbn, bk or dbk, warps or dw
+    two = bank.parts[ms[-1]]
+    nblk = triton.cdiv(N, bn)
+    grid = (P, nblk * len(ms))
+    sx = x.stride(0)
+    dy = out.stride(0) if len(ms) == 2 else 0
+    o = out[0]
+    if kind == "float":
+        w = ps[""]
+        _float_mv[grid](x, sx, slots, w, w.stride(0), w.stride(1), o, o.stride(0), N, K, kdiv, nblk,
+                        _delta(w, two[""]), dy, BN=bn, BK=bk, num_warps=warps)
+    elif kind == "q8":
+        w, s = ps["q"], ps["scale"]
+        _q8_mv[grid](x, sx, slots, w, w.stride(0), w.stride(1), s, s.stride(0), o, o.stride(0), N, K, kdiv, nblk,
+                     _delta(w, two["q"]), _delta(s, two["scale"]), dy, BN=bn, BK=bk, num_warps=warps)
+    elif kind == "q4":
+        q, sz = ps["q"], ps["sz"]
+        g = K // sz.shape[1]
+        while split and split > 1 and K % (split * g):
+            split //= 2
+        if split and N % 64 == 0 and g >= 16:
+            nb64 = N // 64
+            part = out if split == 1 else torch.empty((split, *out.shape), dtype=torch.float32, device=out.device)
+            po = part[0] if split == 1 else part[0, 0]
+            _q4_block_mv[(P, nb64 * len(ms), split)](
+                x, sx, slots, q, q.stride(0), sz, sz.stride(0), sz.stride(1), sz.stride(2), po, po.stride(0),
+                part.stride(0) if split > 1 else 0, N, K, kdiv, nb64, _delta(q, two["q"]), _delta(sz, two["sz"]),
+                (part.stride(1) if split > 1 else dy) if len(ms) == 2 else 0, K // split, G=g, num_warps=warps)
+            if split > 1:
+                torch.sum(part, 0, out=out) if out.dtype == torch.float32 else out.copy_(part.sum(0))
+            return out
+        _q4_mv[grid](x, sx, slots, q, q.stride(0), sz, sz.stride(0), sz.stride(1), sz.stride(2), o, o.stride(0),
+                     N, K, N // 64 * 64, kdiv, nblk, _delta(q, two["q"]), _delta(sz, two["sz"]), dy,
+                     BN=bn, G=g, num_warps=warps)
+    elif kind == "mxfp4":
+        b, e = ps["blocks"], ps["scales"]
+        lut, pow2 = _tables(x.device)
+        _mx_mv[grid](x, sx, slots, b, b.stride(0), b.stride(1), e, e.stride(0), e.stride(1), lut, pow2, o,
+                     o.stride(0), N, K, kdiv, nblk, _delta(b, two["blocks"]), _delta(e, two["scales"]), dy,
+                     BN=bn, BK=bk, num_warps=warps)
+    else:
+        raise ValueError(f"no triton kernel for {kind}")
+    return out
+
+
+def pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, **tune) -> torch.Tensor:
+    """Each (row, choice) pair's expert output [T, k, h] (unweighted), read in place from the slab: two launches
+    (gate and up together, then down) and the bank's activation between them. Pairs of slot -1 stay zero. Float
+    formats with more than one row go through moe.segments (one matmul per distinct expert)."""
+    T, k = slots.shape
+    if T > 1 and bank.fmt.kind == "float":
+        return segments(x, slots, bank)
+    kd = bank.fmt.kernel_dtype
+    xk = x if kd is None or x.dtype == kd else x.to(kd)     # q4: the row as the CPU's int4 kernel takes it
+    xk = xk.contiguous()
+    flat = slots.reshape(-1).contiguous()
+    P = flat.numel()
+    inter, hid = bank.shapes["gate"][0], bank.shapes["down"][0]
+    gu = torch.empty(2, P, inter, dtype=xk.dtype, device=x.device)
+    matvec(("gate", "up"), xk, flat, bank, gu, k, **tune)
+    h = bank.activate(gu[0], gu[1]).contiguous()
+    y = torch.empty(1, P, hid, dtype=xk.dtype, device=x.device)
+    matvec(("down",), h, flat, bank, y, 1, **tune)
+    y = y.view(T, k, hid)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+pairs.any_slots = True      # exact per pair at any number of rows, and -1 pairs left zero
+
+
+for _kind in ("float", "q8", "q4", "mxfp4"):
+    register(_kind, "cuda")(pairs)

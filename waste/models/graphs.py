@@ -1,0 +1,138 @@
+"""CUDA graphs for the decode step (`--device cuda`, every routed expert resident in GPU memory).
+
+Once the expert store's whole bank sits in the GPU slab, a MoE layer needs no host sync (ExpertCache.device_map:
+slots looked up on the GPU), so a one-row decode step has fixed shapes except for attention's growing key length.
+- Whole step: where the family's attention has a fixed-shape form (`graph_state`: Qwen3's GQA), one sequence's
+  decode step is captured once per (sequence buffers, key bucket) and replayed: the token and the position are
+  copied into the graph's inputs, the cache row is put at the position, attention reads the first L rows of the
+  cache buffer (L the position rounded up to BUCKET rows) with the rows past the position masked.
+- MoE layers only: elsewhere (other families, or a step the whole-step graph cannot take) each MoE layer's one-row
+  MLP is captured once and replayed; attention stays eager.
+Anything that watches the step from the host (a benchmark's routing stand-in, route or predict traces, the
+profiler's timer), a batch of sequences, or a store that still reads experts keeps the eager path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from ..timing import NO_TIMER
+
+BUCKET = 256          # key rows a captured step attends over come in multiples of this
+MAX_STEP_GRAPHS = 8   # captured whole steps kept (least recently used dropped): sequences x buckets
+
+
+class DecodeGraphs:
+    def __init__(self, model):
+        self._model = weakref.ref(model)      # no cycle with the model: its graphs are freed when it is
+        self.mlps: dict[int, tuple] = {}
+        self.steps: OrderedDict = OrderedDict()
+        self.pool = None
+        self.capturing = False
+        self.whole = True               # whole-step graphs where the family allows (the benchmark turns them off)
+
+    @property
+    def model(self):
+        return self._model()
+
+    def usable(self) -> bool:
+        m = self.model
+        if self.capturing or m.router is not None or m.route_trace is not None or m.predict_trace is not None \
+                or m.timer is not NO_TIMER:
+            return False
+        dm = getattr(m.experts, "device_map", None)
+        return dm is not None and dm() is not None
+
+    def _capture(self, fn, stats_from):
+        """Warm fn up on a side stream (triton compiles, the allocator fills), then capture it: (graph, output).
+        The warm-up and capture calls are no tokens: the store's counters are put back as they were."""
+        stats = stats_from.stats
+        before = dataclasses.replace(stats, per_layer={k: list(v) for k, v in stats.per_layer.items()})
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        self.capturing = True
+        # no collection during a capture: a CUDA graph of an engine gone (a cycle the collector frees) destroyed
+        # mid-capture invalidates the capture (seen on the H200); collected now, before it starts
+        gc.collect()
+        gc_was = gc.isenabled()
+        gc.disable()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn()
+        finally:
+            if gc_was:
+                gc.enable()
+            self.capturing = False
+            for f in dataclasses.fields(stats):
+                setattr(stats, f.name, getattr(before, f.name))
+        return graph, out
+
+    # -- one MoE layer's MLP -----------------------------------------------------------------------
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Layer i's MoE MLP of one row x [1, h] by replaying its graph (captured on first use); None where the
+        eager path must run."""
+        if x.shape[0] != 1 or not self.usable():
+            return None
+        g = self.mlps.get(i)
+        if g is None:
+            gx = x.clone()
+            graph, gy = self._capture(lambda: self.model.mlp_many(i, [gx])[0], self.model.experts)
+            g = self.mlps[i] = (gx, gy, graph)
+        gx, gy, graph = g
+        gx.copy_(x)
+        graph.replay()
+        self.model.experts.count_hits(i, self.model.top_k)
+        return gy
+
+    # -- the whole step ----------------------------------------------------------------------------
+    def step(self, items: list, last_only: bool) -> list[torch.Tensor] | None:
+        """One sequence's one-row decode step by replaying its captured graph: the logits (on the host), with the
+        sequence's state advanced by the row; None where the eager step must run."""
+        m = self.model
+        if not self.whole or len(items) != 1:
+            return None
+        ids, state, start = items[0]
+        if ids.shape[0] != 1 or not self.usable():
+            return None
+        key = m.graph_state(state, start)
+        if key is None:
+            return None
+        L = -(-(start + 1) // BUCKET) * BUCKET
+        cap = min(b.shape[0] for s in state for b in s.buffers())
+        L = min(L, cap)
+        g = self.steps.get((key, L))
+        if g is None:
+            gid = torch.zeros(1, dtype=torch.long, device=m.device)
+            gpos = torch.full((1,), start, dtype=torch.long, device=m.device)
+            gid.copy_(ids)
+
+            def run():
+                return m.step_logits([(gid, list(state), start)], last_only, static=(gpos, L))[0]
+
+            graph, logits = self._capture(run, m.experts)
+            g = self.steps[(key, L)] = (gid, gpos, graph, logits)
+            while len(self.steps) > MAX_STEP_GRAPHS:
+                self.steps.popitem(last=False)
+        else:
+            self.steps.move_to_end((key, L))
+        gid, gpos, graph, logits = g
+        gid.copy_(ids)
+        gpos.fill_(start)
+        graph.replay()
+        for i in range(len(state)):          # the rows the replay put: the states' host-side lengths follow
+            state[i] = state[i].advance(1)
+        for i, dense in enumerate(m.dense):
+            if not dense:
+                m.experts.count_hits(i, m.top_k)
+        return [logits.cpu()]
