@@ -135,7 +135,7 @@ def _load(a, model):
     model = _model(a, model)
     return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
                        preload=False if a.no_preload else None, experts_per_token=a.experts_per_token,
-                       device=a.device, prefetch=not a.no_prefetch)
+                       device=a.device, prefetch=not a.no_prefetch, prefill_chunk=a.prefill_chunk)
 
 
 def _engine_args(p):
@@ -149,12 +149,20 @@ def _engine_args(p):
                    help="do not read the next MoE layer's predicted experts ahead of its router (next-layer "
                         "prefetch; outputs are the same bits either way)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+    _prefill_chunk_arg(p)
     p.add_argument("--device", default="cpu",
                    help="cpu (default), or cuda: trunk and expert slab in GPU memory (first step of the CUDA backend: "
                         "bf16 / f16 / f32 / q8 experts; `auto` picks cuda when a GPU is present)")
     p.add_argument("--experts-per-token", type=int, default=None, metavar="K",
                    help="route each token to K experts instead of the release's number (fewer: faster, at a quality "
                         "cost; docs/LEARNED.md measures it)")
+
+
+def _prefill_chunk_arg(p):
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="run a prompt through the model N tokens at a time (default: the memory plan's, 512 or less "
+                        "where memory is tight); bounds a long prompt's activations, and a chunk's tokens share its "
+                        "expert reads")
 
 
 def _routing_top_k(verb: str):
@@ -177,7 +185,7 @@ def cmd_plan(a):
         return _hub_plan(a)
     c = _open(model_path(a.model))
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
-                    None if a.budget is None else parse_size(a.budget))
+                    None if a.budget is None else parse_size(a.budget), a.prefill_chunk)
     if a.json:
         print(json.dumps(p.to_json(), indent=1))
     else:
@@ -353,7 +361,8 @@ def _hub_plan(a):
     from .units import fmt_bytes, parse_size
 
     p, est, remote = plan(a.model, a.revision, a.experts, a.trunk, a.dtype, a.context,
-                          None if a.ram is None else parse_size(a.ram), None if a.budget is None else parse_size(a.budget))
+                          None if a.ram is None else parse_size(a.ram), None if a.budget is None else parse_size(a.budget),
+                          a.prefill_chunk)
     src = {"repo": remote.repo, "commit": remote.commit, "family": est.family, "release_bytes": est.release_bytes,
            "container_bytes": est.container_bytes, "experts_format": est.experts, "trunk_format": est.trunk}
     if a.json:
@@ -523,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--context", type=int, default=4096)
     pl.add_argument("--budget", default=None, help="check a budget instead of choosing one")
     pl.add_argument("--dtype", default="auto")
+    _prefill_chunk_arg(pl)
     pl.set_defaults(fn=cmd_plan)
 
     b = sub.add_parser("bench", help="measure prefill and decode speed, cache hit rate and bytes read")

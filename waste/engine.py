@@ -225,14 +225,15 @@ class Engine:
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
              experts_per_token: int | None = None, dump_dsa: bool | None = None, device: str = "cpu",
-             prefetch: bool = True) -> "Engine":
+             prefetch: bool = True, prefill_chunk: int | None = None) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
         WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). experts_per_token:
         route each token to this many experts instead of the release's number (1 .. that; a quality trade).
         dump_dsa (None follows WASTE_DUMP_DSA): print each DSA indexer selection to stderr (GLM-5.3).
         device: "cpu", or "cuda" (the trunk and the expert slab in GPU memory: the first step of the CUDA backend;
         float and q8 expert formats). prefetch: read the next MoE layer's predicted experts while this one
-        computes (the same bits either way)."""
+        computes (the same bits either way). prefill_chunk: a prompt runs through the model this many tokens at a
+        time (None: the plan's choice); each chunk's tokens share its expert reads."""
         if preload is None:
             preload = os.environ.get("WASTE_PRELOAD", "1") != "0"
         if dump_dsa is None:
@@ -249,7 +250,7 @@ class Engine:
             if experts_per_token is not None:
                 check_experts_per_token(container.config, experts_per_token)   # before the cache's fill thread
             plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
-                               None if budget is None else parse_size(budget))
+                               None if budget is None else parse_size(budget), prefill_chunk)
             from .text.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(container.root)
@@ -262,6 +263,7 @@ class Engine:
                                 device=dev)
             if experts_per_token is not None:
                 set_experts_per_token(model, experts_per_token)
+            model.prefill_chunk = plan.prefill_chunk
             if dump_dsa and hasattr(model, "dsa_dump"):
                 model.dsa_dump = _print_lines
         except BaseException:
