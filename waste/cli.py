@@ -253,6 +253,47 @@ def cmd_route_diff(a):
     print(f"mean       set {100 * r['set']:6.2f}%  rank {100 * r['rank']:6.2f}%")
 
 
+def cmd_sweep(a):
+    from .runtime.sweep import parse_arm, report_lines, sweep, _same_model
+
+    check(params.max_tokens, a.n)
+    check(params.engine, a.context, a.threads)
+    if a.prompt_len < 1 or a.repeat < 1:
+        raise WasteError("--prompt-len and --repeat must be positive numbers")
+    arms = [parse_arm(t) for t in a.arm or []]
+    if not arms:
+        raise WasteError("give at least one --arm NAME:FLAGS, e.g. --arm base: --arm nopf:--no-prefetch")
+    text = None
+    if a.text is not None:
+        try:
+            text = Path(a.text).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise WasteError(f"--text {a.text}: cannot read it as text ({exc})")
+    if a.routing.startswith("trace:"):
+        from .runtime.trace import load as load_trace
+
+        load_trace(a.routing[len("trace:"):])
+    elif a.routing not in ("model", "uniform"):
+        raise WasteError(f"--routing {a.routing!r}: use model, uniform or trace:FILE")
+    a.no_preload = True          # every run starts from an empty store of its own; the loaded one stays untouched
+    engines = {}
+    try:
+        engines[None] = _load(a, a.model)
+        for arm in arms:
+            if arm.model is not None and arm.model not in engines:
+                engines[arm.model] = _load(a, arm.model)
+                _same_model(engines[None], engines[arm.model])
+        defaults = dict(budget=a.budget, context=a.context, threads=a.threads, prefetch=not a.no_prefetch,
+                        prefill_chunk=a.prefill_chunk, verify=True, direct=True)
+        r = sweep(engines, arms, defaults, repeat=a.repeat, n=a.n, prompt_len=a.prompt_len,
+                  feed="random", routing=a.routing, text=text,
+                  progress=lambda s: print(s, file=sys.stderr, flush=True))
+    finally:
+        for e in engines.values():
+            e.close()
+    print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
+
+
 def cmd_chat(a):
     from .chat_cli import cmd_chat as chat
 
@@ -565,6 +606,23 @@ def build_parser() -> argparse.ArgumentParser:
     rd.add_argument("--json", action="store_true")
     _engine_args(rd)
     rd.set_defaults(fn=cmd_route_diff)
+
+    sw = sub.add_parser("sweep", help="several arms (budget, experts per token, threads, prefetch, format) of one "
+                        "model in one process, interleaved: speed, hit rate, bytes read, routing agreement")
+    sw.add_argument("model", nargs="?", default=None, help="default: the bundled default model")
+    sw.add_argument("--arm", action="append", metavar="NAME:FLAGS",
+                    help="an arm: a name and its flags (--budget SIZE, --threads N, --compute-threads N, "
+                         "--experts-per-token K, --prefetch / --no-prefetch, --prefill-chunk N, --model PATH: another "
+                         "container of this model); repeat it; the first is what routing is compared with")
+    sw.add_argument("-n", type=int, default=32, help="tokens to decode per run (default 32)")
+    sw.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
+    sw.add_argument("--repeat", type=int, default=3, help="runs per arm, interleaved (default 3)")
+    sw.add_argument("--routing", default="model", metavar="model|uniform|trace:FILE", help="as waste bench's")
+    sw.add_argument("--text", default=None, metavar="FILE", help="prompt and decode feed from this text's tokens "
+                    "(default: the bench prompt and seeded random tokens; never an arm's own output)")
+    sw.add_argument("--json", action="store_true")
+    _engine_args(sw)
+    sw.set_defaults(fn=cmd_sweep)
 
     i = sub.add_parser("info", help="describe a container")
     i.add_argument("model", nargs="?", default=None, help="default: the bundled default model (says where it lives)")

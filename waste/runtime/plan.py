@@ -184,17 +184,20 @@ class MemoryPlan:
 
 
 def plan_memory(container: Container, dtype: torch.dtype, context: int = 4096, ram: int | None = None,
-                budget: int | None = None, prefill_chunk: int | None = None) -> MemoryPlan:
+                budget: int | None = None, prefill_chunk: int | None = None,
+                baseline: int | None = None) -> MemoryPlan:
     ex = container.manifest["experts"]
     return plan_from_sizes(container.config, ex["record_bytes"], [i["num_experts"] for i in ex["layers"].values()],
-                           trunk_resident_bytes(container, dtype), dtype, context, ram, budget, prefill_chunk)
+                           trunk_resident_bytes(container, dtype), dtype, context, ram, budget, prefill_chunk,
+                           baseline)
 
 
 def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk: int, dtype: torch.dtype,
                     context: int = 4096, ram: int | None = None, budget: int | None = None,
-                    prefill_chunk: int | None = None) -> MemoryPlan:
+                    prefill_chunk: int | None = None, baseline: int | None = None) -> MemoryPlan:
     """The plan from the normalised config and sizes alone (waste/hub plans a release before downloading it).
-    prefill_chunk: rows per forward of a prefill; None: PREFILL_CHUNK, halved while one working set does not fit."""
+    prefill_chunk: rows per forward of a prefill; None: PREFILL_CHUNK, halved while one working set does not fit.
+    baseline: the process's own memory before loading (None: measured now; `waste sweep` re-plans a loaded one)."""
     if prefill_chunk is not None and prefill_chunk < 1:
         raise WasteError(f"--prefill-chunk {prefill_chunk}: give a positive number of tokens (default: the plan's)")
     moe = cfg.get("moe") or {}
@@ -208,7 +211,7 @@ def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk:
         usable, source = (limit, "cgroup limit") if limit and limit < total else (total, "RAM")
     ceiling = int(usable * CEILING)
     st = state_bytes(cfg, context, dtype)
-    base = process_rss()
+    base = process_rss() if baseline is None else baseline
     chunk = min(prefill_chunk or PREFILL_CHUNK, context)
     if prefill_chunk is None and ws:
         # the budget first (it sets decode speed): the smallest chunk decides how many working sets fit, then the
