@@ -49,7 +49,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
     def counters():
         s = cache.stats
         return (s.hits, s.misses, s.bytes_read, s.read_seconds, s.prefetch_bytes, s.predicted, s.predicted_right,
-                s.predicted_needed)
+                s.predicted_needed, s.wait_seconds)
 
     if routing == "uniform" and getattr(model, "moe", None):
         model.router = _uniform_router(model)         # taken away below
@@ -97,7 +97,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
     rec = cache.record_bytes
 
     def phase(a, b, seconds, tokens, cpu):
-        hits, misses, nbytes, rsec, pbytes, pred, right, needed = (y - x for x, y in zip(a, b))
+        hits, misses, nbytes, rsec, pbytes, pred, right, needed, waited = (y - x for x, y in zip(a, b))
         # the bound counts every record read, the prefetch's included (a prefetched expert is then a hit)
         bound = (misses * rec + pbytes) / bw if bw else 0.0
         return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds if seconds else 0.0,
@@ -105,7 +105,8 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
                 "bytes_read": nbytes, "read_seconds": rsec, "read_gb_per_s": nbytes / rsec / 1e9 if rsec else 0.0,
                 "prefetch_bytes": pbytes, "prefetch_precision": right / pred if pred else None,
                 "prefetch_recall": right / needed if needed else None,
-                "cpu_seconds": cpu, "io_bound_seconds": bound, "io_bound_tok_per_s": tokens / bound if bound else None}
+                "cpu_seconds": cpu, "wait_seconds": waited,     # blocked on this phase's reads (wall time)
+                "io_bound_seconds": bound, "io_bound_tok_per_s": tokens / bound if bound else None}
 
     plan = engine.plan
     return {

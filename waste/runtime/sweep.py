@@ -167,10 +167,12 @@ def sweep(engines: dict, arms: list[Arm], defaults: dict, repeat: int = 3, progr
             runs[arm.name].append(res)
             if progress:
                 d = res["decode"]
+                per = 1e3 / max(d["tokens"], 1)
                 progress(f"round {r + 1}/{repeat} {arm.name}: prefill {res['prefill']['tok_per_s']:.2f} tok/s, decode "
-                         f"{d['tok_per_s']:.2f} tok/s ({1e3 * d['cpu_seconds'] / max(d['tokens'], 1):.0f} CPU ms a "
-                         f"token), hit {100 * d['hit_rate']:.1f}%, read {fmt_bytes(d['bytes_read'])} + ahead "
-                         f"{fmt_bytes(d['prefetch_bytes'])}, I/O bound {d['io_bound_tok_per_s'] or 0:.1f} tok/s")
+                         f"{d['tok_per_s']:.2f} tok/s ({per * d['cpu_seconds']:.0f} CPU ms a token, "
+                         f"{per * d['wait_seconds']:.0f} ms waiting for reads), hit {100 * d['hit_rate']:.1f}%, read "
+                         f"{fmt_bytes(d['bytes_read'])} + ahead {fmt_bytes(d['prefetch_bytes'])}, I/O bound "
+                         f"{d['io_bound_tok_per_s'] or 0:.1f} tok/s")
     ref = runs[arms[0].name]
     out = []
     for arm in arms:
@@ -193,8 +195,10 @@ def sweep(engines: dict, arms: list[Arm], defaults: dict, repeat: int = 3, progr
             "decode_io_bound_tok_per_s": [x["decode"]["io_bound_tok_per_s"] for x in rs],
             "decode_cpu_ms_per_token": statistics.median(1e3 * x["decode"]["cpu_seconds"] / max(x["decode"]["tokens"], 1)
                                                          for x in rs),
-            "prefetch_precision": statistics.median(x["decode"]["prefetch_precision"] or 0.0 for x in rs),
-            "prefetch_recall": statistics.median(x["decode"]["prefetch_recall"] or 0.0 for x in rs),
+            "decode_wait_ms_per_token": statistics.median(1e3 * x["decode"]["wait_seconds"] / max(x["decode"]["tokens"], 1)
+                                                          for x in rs),
+            "prefetch_precision": _median_or_none(x["decode"]["prefetch_precision"] for x in rs),
+            "prefetch_recall": _median_or_none(x["decode"]["prefetch_recall"] for x in rs),
             "set_agreement": statistics.median(a["set"] for a in agree),
             "rank_agreement": statistics.median(a["rank"] for a in agree),
         })
@@ -202,6 +206,11 @@ def sweep(engines: dict, arms: list[Arm], defaults: dict, repeat: int = 3, progr
     return {"arms": out, "repeat": repeat, "feed": first["feed"], "routing": first["routing"],
             "prompt_tokens": first["prefill"]["tokens"], "decode_tokens": first["decode"]["tokens"],
             "disk_bandwidth_gb_per_s": first["disk_bandwidth_gb_per_s"]}
+
+
+def _median_or_none(values):
+    v = [x for x in values if x is not None]
+    return statistics.median(v) if v else None
 
 
 def report_lines(r: dict) -> list[str]:
