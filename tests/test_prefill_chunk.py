@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import waste
+from waste.errors import WasteError
 from fixtures import assert_same_routes, prompt, rel_l2
 from test_oracle import LOGITS, hf_routes
 
@@ -107,7 +108,8 @@ def test_the_plan_counts_the_chunk_and_picks_it(releases):
     ws = 8 * record * 6
 
     def plan(ram, chunk=None):
-        return plan_from_sizes(cfg, record, experts, trunk, torch.float32, 4096, ram, None, chunk)
+        return plan_from_sizes(cfg, record, experts, trunk, torch.float32, 4096, ram, None, chunk,
+                               baseline=200_000_000)      # fixed: this process's RSS moves between calls
 
     roomy = plan(64 << 30)
     assert roomy.prefill_chunk == PREFILL_CHUNK and roomy.resident
@@ -115,17 +117,18 @@ def test_the_plan_counts_the_chunk_and_picks_it(releases):
     assert small.prefill_chunk == 64 and small.scratch_bytes < roomy.scratch_bytes
     # the activations of a 512-token chunk at these widths: more than a tenth of a working set
     assert roomy.scratch_bytes - plan(64 << 30, MIN_PREFILL_CHUNK).scratch_bytes > ws / 10
-    # tight memory: the budget the smallest chunk allows comes first, then the largest chunk that fits beside it
+    # tight memory: the chunk is halved only until one working set fits beside it; the budget is what is left
     low = plan(64 << 30, MIN_PREFILL_CHUNK)
-    ceiling = low.floor_bytes + 3 * ws + (roomy.scratch_bytes - low.scratch_bytes) // 2
+    ceiling = low.floor_bytes + ws + (roomy.scratch_bytes - low.scratch_bytes) // 2
     tight = plan(ceiling * 4 // 3 + 4)
-    assert tight.budget_bytes == 3 * ws and not tight.resident
     assert MIN_PREFILL_CHUNK < tight.prefill_chunk < PREFILL_CHUNK
-    assert tight.floor_bytes + tight.budget_bytes <= tight.ceiling_bytes
-    bigger = plan(tight.usable_bytes, 2 * tight.prefill_chunk)
-    assert bigger.floor_bytes + tight.budget_bytes > bigger.ceiling_bytes
-    # a user's chunk is kept even where it costs a working set
-    assert plan(tight.usable_bytes, PREFILL_CHUNK).budget_bytes == 2 * ws
+    assert tight.budget_bytes == ws and tight.floor_bytes + tight.budget_bytes <= tight.ceiling_bytes
+    # the next chunk up would not leave room for one working set: a user's chunk is kept, and the plan says so
+    with pytest.raises(WasteError, match="not enough memory"):
+        plan(tight.usable_bytes, 2 * tight.prefill_chunk)
+    # with room for more, the full chunk is kept and the budget is what is left beside it
+    roomier = plan(roomy.floor_bytes * 4 // 3 + 4 * ws)
+    assert roomier.prefill_chunk == PREFILL_CHUNK and roomier.budget_bytes == 3 * ws
 
 
 def test_cli_prefill_chunk(releases):
