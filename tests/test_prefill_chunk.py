@@ -139,3 +139,15 @@ def test_cli_prefill_chunk(releases):
     r = subprocess.run([sys.executable, "-m", "waste", "plan", c, "--prefill-chunk", "48"], capture_output=True,
                        text=True)
     assert r.returncode == 0 and "prefill chunk   48 tokens" in r.stdout
+
+
+def test_route_diff_routes_cover_every_chunk(releases):
+    """`waste route-diff` on a prompt longer than the chunk compares every token, not the last chunk's."""
+    from waste.runtime.trace import agreement, routes
+
+    c = releases["qwen3_moe"][2]
+    ids = prompt(LENGTH["qwen3_moe"], seed=6).tolist()
+    with waste.load(c, dtype="float32", prefill_chunk=9) as a, waste.load(c, dtype="float32") as b:
+        ra, rb = routes(a, ids), routes(b, ids)
+    assert all(v.shape[0] == len(ids) for v in ra.values())
+    assert agreement(ra, rb)["set"] == 1.0
