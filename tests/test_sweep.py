@@ -66,3 +66,13 @@ def test_cli_sweep_refuses_another_model_and_a_missing_arm(releases):
     r = subprocess.run([sys.executable, "-m", "waste", "sweep", q, "--arm", "a:", "--arm", f"b:--model {k}"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "not a container of the same model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_sweep_prints_one_row_per_arm(releases):
+    q = str(releases["qwen3_moe"][2])
+    r = subprocess.run([sys.executable, "-m", "waste", "sweep", q, "--arm", "a:", "--arm", "b:--no-prefetch --budget 64K",
+                        "--repeat", "1", "-n", "2", "--prompt-len", "4", "--context", "64"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [l.split() for l in r.stdout.splitlines() if l.split() and l.split()[0] in ("a", "b")]
+    assert [x[0] for x in rows] == ["a", "b"] and all(x[-2:] == ["100.00%", "100.00%"] for x in rows)
+    assert "round 1/1 b:" in r.stderr

@@ -216,14 +216,15 @@ def _median_or_none(values):
 def report_lines(r: dict) -> list[str]:
     out = [f"{r['prompt_tokens']} prompt + {r['decode_tokens']} decode tokens fed {r['feed']}, routing {r['routing']}; "
            f"{r['repeat']} interleaved runs per arm, each from an empty cache; medians (min-max); routing agreement "
-           f"with arm {r['arms'][0]['name']!r}",
+           f"with arm {r['arms'][0]['name']!r}; cpu / wait ms: per decode token, CPU time (readers too) / blocked on reads",
            f"{'arm':<12} {'budget':>9} {'prefill tok/s':>22} {'decode tok/s':>22} {'hit':>6} {'read':>9} "
-           f"{'ahead':>9} {'set':>7} {'rank':>7}"]
+           f"{'ahead':>9} {'cpu ms':>7} {'wait ms':>7} {'set':>7} {'rank':>7}"]
     for a in r["arms"]:
         p, d = a["prefill_tok_per_s"], a["decode_tok_per_s"]
         out.append(f"{a['name']:<12} {fmt_bytes(a['budget_bytes']):>9} "
                    f"{p['median']:>8.2f} ({p['min']:.2f}-{p['max']:.2f}) {d['median']:>8.2f} "
                    f"({d['min']:.2f}-{d['max']:.2f}) {100 * a['decode_hit_rate']['median']:>5.1f}% "
                    f"{fmt_bytes(a['decode_bytes_read']['median']):>9} {fmt_bytes(a['decode_prefetch_bytes']['median']):>9} "
+                   f"{a['decode_cpu_ms_per_token']:>7.1f} {a['decode_wait_ms_per_token']:>7.1f} "
                    f"{100 * a['set_agreement']:>6.2f}% {100 * a['rank_agreement']:>6.2f}%")
     return out
