@@ -132,12 +132,12 @@ def scratch_bytes(cfg: dict, context: int, dtype: torch.dtype, record_bytes: int
     n = min(context, chunk)
     h, moe, g = cfg["hidden_size"], cfg.get("moe") or {}, cfg.get("gqa") or {}
     q = g.get("num_heads", 1) * g.get("head_dim", 2 * h)         # query / attention-output width (else 2 x hidden)
-    kv = g.get("num_kv_heads", 0) * g.get("head_dim", 0)
     k, inter = moe.get("top_k") or 0, moe.get("intermediate_size") or 0
     # residual, norms, sublayer outputs: 8 rows of hidden; q, k, v, rotated copies, attention output: 4 of q;
     # each routed pair's output kept until the weighted sum (3 copies while groups land) and its expert's
-    # intermediates; the causal mask over the context (bool) and the attention's copies of the cached keys/values
-    act = n * size * (8 * h + 4 * q + k * (3 * h + 2 * inter)) + n * context + 2 * context * kv * size
+    # intermediates. Not counted: a later chunk's causal mask over the context (1 byte per row and position:
+    # 2 MB at 4k, 153 MB at 300k; tests/test_plan_rss.py holds the plan to a short prompt's peak)
+    act = n * size * (8 * h + 4 * q + k * (3 * h + 2 * inter))
     act += n * cfg["vocab_size"] * 4
     unpack = 2 * record_bytes if size == 4 else 0
     return SCRATCH_FIXED + act + unpack
