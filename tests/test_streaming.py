@@ -100,14 +100,16 @@ def test_plan_ladder_and_refusal(releases):
         full = plan_memory(cont, dt, 512)
         assert full.resident and full.budget_bytes == full.bank_bytes
         assert full.working_set_bytes == cont.config["moe"]["top_k"] * full.record_bytes * 4
-        # as if the machine had just enough for the floor plus two working sets under the 3/4 ceiling
+        # as if the machine had just enough for the floor plus two working sets under the 3/4 ceiling (at the same
+        # prefill chunk: left to itself, the plan would shrink the chunk to fit more; tests/test_prefill_chunk.py)
         ram = int((full.floor_bytes + 2 * full.working_set_bytes) / 0.75) + 4096
-        two = plan_memory(cont, dt, 512, ram=ram)
+        chunk = full.prefill_chunk
+        two = plan_memory(cont, dt, 512, ram=ram, prefill_chunk=chunk)
         assert two.budget_bytes == 2 * two.working_set_bytes and not two.resident
         assert two.floor_bytes + two.budget_bytes <= two.ceiling_bytes
         with pytest.raises(WasteError, match="not enough memory.*floor.*working set"):
-            plan_memory(cont, dt, 512, ram=int(full.floor_bytes / 0.75))
-        forced = plan_memory(cont, dt, 512, ram=ram, budget=full.bank_bytes)
+            plan_memory(cont, dt, 512, ram=int(full.floor_bytes / 0.75), prefill_chunk=chunk)
+        forced = plan_memory(cont, dt, 512, ram=ram, budget=full.bank_bytes, prefill_chunk=chunk)
         assert forced.budget_bytes == full.bank_bytes and "above 3/4" in forced.warning
 
 

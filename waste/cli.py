@@ -140,7 +140,7 @@ def _load(a, model):
         return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
                            preload=False if a.no_preload else None, experts_per_token=a.experts_per_token,
                            device=a.device, prefetch=not a.no_prefetch, ram=a.ram, vram=a.vram,
-                           expert_parallel=ep)
+                           expert_parallel=ep, prefill_chunk=a.prefill_chunk)
     return load() if ep is None else ep.load(load)
 
 
@@ -155,6 +155,7 @@ def _engine_args(p):
                    help="do not read the next MoE layer's predicted experts ahead of its router (next-layer "
                         "prefetch; outputs are the same bits either way)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
+    _prefill_chunk_arg(p)
     p.add_argument("--device", default="cpu",
                    help="cpu (default), or cuda: trunk and expert slab in GPU memory (bf16 / f16 / f32 / q8 experts; "
                         "q4 / mxfp4 with triton installed); `auto` picks cuda when a GPU is present")
@@ -173,6 +174,13 @@ def _engine_args(p):
     p.add_argument("--placement", default="id", metavar="id|trace:FILE",
                    help="with --expert-parallel: experts in blocks of ids (default) or spread by the frequency "
                         "measured in a routing trace (`waste bench --record-trace FILE`)")
+
+
+def _prefill_chunk_arg(p):
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="run a prompt through the model N tokens at a time (default: the memory plan's, 512 or less "
+                        "where memory is tight); bounds a long prompt's activations, and a chunk's tokens share its "
+                        "expert reads")
 
 
 def _routing_top_k(verb: str):
@@ -198,7 +206,7 @@ def cmd_plan(a):
     if a.expert_parallel is not None:
         return _plan_ranks(a, c)
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
-                    None if a.budget is None else parse_size(a.budget))
+                    None if a.budget is None else parse_size(a.budget), prefill_chunk=a.prefill_chunk)
     dev = a.device
     if dev == "auto":
         import torch
@@ -331,6 +339,47 @@ def cmd_route_diff(a):
     print(f"mean       set {100 * r['set']:6.2f}%  rank {100 * r['rank']:6.2f}%")
 
 
+def cmd_sweep(a):
+    from .runtime.sweep import parse_arm, report_lines, sweep, _same_model
+
+    check(params.max_tokens, a.n)
+    check(params.engine, a.context, a.threads)
+    if a.prompt_len < 1 or a.repeat < 1:
+        raise WasteError("--prompt-len and --repeat must be positive numbers")
+    arms = [parse_arm(t) for t in a.arm or []]
+    if not arms:
+        raise WasteError("give at least one --arm NAME:FLAGS, e.g. --arm base: --arm nopf:--no-prefetch")
+    text = None
+    if a.text is not None:
+        try:
+            text = Path(a.text).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise WasteError(f"--text {a.text}: cannot read it as text ({exc})")
+    if a.routing.startswith("trace:"):
+        from .runtime.trace import load as load_trace
+
+        load_trace(a.routing[len("trace:"):])
+    elif a.routing not in ("model", "uniform"):
+        raise WasteError(f"--routing {a.routing!r}: use model, uniform or trace:FILE")
+    a.no_preload = True          # every run starts from an empty store of its own; the loaded one stays untouched
+    engines = {}
+    try:
+        engines[None] = _load(a, a.model)
+        for arm in arms:
+            if arm.model is not None and arm.model not in engines:
+                engines[arm.model] = _load(a, arm.model)
+                _same_model(engines[None], engines[arm.model])
+        defaults = dict(budget=a.budget, context=a.context, threads=a.threads, prefetch=not a.no_prefetch,
+                        prefill_chunk=a.prefill_chunk, verify=True, direct=True)
+        r = sweep(engines, arms, defaults, repeat=a.repeat, n=a.n, prompt_len=a.prompt_len,
+                  feed="random", routing=a.routing, text=text,
+                  progress=lambda s: print(s, file=sys.stderr, flush=True))
+    finally:
+        for e in engines.values():
+            e.close()
+    print(json.dumps(r, indent=1) if a.json else "\n".join(report_lines(r)))
+
+
 def cmd_chat(a):
     from .chat_cli import cmd_chat as chat
 
@@ -439,7 +488,8 @@ def _hub_plan(a):
     from .units import fmt_bytes, parse_size
 
     p, est, remote = plan(a.model, a.revision, a.experts, a.trunk, a.dtype, a.context,
-                          None if a.ram is None else parse_size(a.ram), None if a.budget is None else parse_size(a.budget))
+                          None if a.ram is None else parse_size(a.ram), None if a.budget is None else parse_size(a.budget),
+                          a.prefill_chunk)
     src = {"repo": remote.repo, "commit": remote.commit, "family": est.family, "release_bytes": est.release_bytes,
            "container_bytes": est.container_bytes, "experts_format": est.experts, "trunk_format": est.trunk}
     if a.json:
@@ -618,6 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(VRAM budget over the host budget)")
     pl.add_argument("--vram", default=None, help="with --device cuda: plan this much GPU memory for expert records "
                     "(default: what this machine's GPU has free)")
+    _prefill_chunk_arg(pl)
     pl.set_defaults(fn=cmd_plan)
 
     b = sub.add_parser("bench", help="measure prefill and decode speed, cache hit rate and bytes read")
@@ -650,6 +701,23 @@ def build_parser() -> argparse.ArgumentParser:
     rd.add_argument("--json", action="store_true")
     _engine_args(rd)
     rd.set_defaults(fn=cmd_route_diff)
+
+    sw = sub.add_parser("sweep", help="several arms (budget, experts per token, threads, prefetch, format) of one "
+                        "model in one process, interleaved: speed, hit rate, bytes read, routing agreement")
+    sw.add_argument("model", nargs="?", default=None, help="default: the bundled default model")
+    sw.add_argument("--arm", action="append", metavar="NAME:FLAGS",
+                    help="an arm: a name and its flags (--budget SIZE, --threads N, --compute-threads N, "
+                         "--experts-per-token K, --prefetch / --no-prefetch, --prefill-chunk N, --model PATH: another "
+                         "container of this model); repeat it; the first is what routing is compared with")
+    sw.add_argument("-n", type=int, default=32, help="tokens to decode per run (default 32)")
+    sw.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
+    sw.add_argument("--repeat", type=int, default=3, help="runs per arm, interleaved (default 3)")
+    sw.add_argument("--routing", default="model", metavar="model|uniform|trace:FILE", help="as waste bench's")
+    sw.add_argument("--text", default=None, metavar="FILE", help="prompt and decode feed from this text's tokens "
+                    "(default: the bench prompt and seeded random tokens; never an arm's own output)")
+    sw.add_argument("--json", action="store_true")
+    _engine_args(sw)
+    sw.set_defaults(fn=cmd_sweep)
 
     i = sub.add_parser("info", help="describe a container")
     i.add_argument("model", nargs="?", default=None, help="default: the bundled default model (says where it lives)")

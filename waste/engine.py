@@ -226,7 +226,7 @@ class Engine:
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
              experts_per_token: int | None = None, dump_dsa: bool | None = None, device: str = "cpu",
-             prefetch: bool = True, vram=None, expert_parallel=None) -> "Engine":
+             prefetch: bool = True, vram=None, expert_parallel=None, prefill_chunk: int | None = None) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
         WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). experts_per_token:
         route each token to this many experts instead of the release's number (1 .. that; a quality trade).
@@ -235,7 +235,9 @@ class Engine:
         q4 and mxfp4 with triton). vram (cuda): bytes or "8G" of expert records in GPU memory, the rest of the
         budget a pinned host tier below them (runtime/vram.py; default: what the GPU's free memory holds). prefetch: read the next MoE layer's predicted experts while this one
         computes (the same bits either way). expert_parallel: this process's runtime.parallel.ExpertParallel (it
-        holds and plans for its share of the experts; the others' are computed by their ranks)."""
+        holds and plans for its share of the experts; the others' are computed by their ranks). prefill_chunk: a
+        prompt runs through the model this many tokens at a time (None: the plan's choice); each chunk's tokens
+        share its expert reads."""
         if preload is None:
             preload = os.environ.get("WASTE_PRELOAD", "1") != "0"
         if dump_dsa is None:
@@ -256,7 +258,8 @@ class Engine:
                 owned = ep.owned(container)
             plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
                                None if budget is None else parse_size(budget),
-                               None if ep is None else [len(o) for o in owned.values()], ep.local_world if ep else 1)
+                               None if ep is None else [len(o) for o in owned.values()], ep.local_world if ep else 1,
+                               prefill_chunk=prefill_chunk)
             from .text.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(container.root)
@@ -272,6 +275,7 @@ class Engine:
                                 device=dev)
             if experts_per_token is not None:
                 set_experts_per_token(model, experts_per_token)
+            model.prefill_chunk = plan.prefill_chunk
             if dump_dsa and hasattr(model, "dsa_dump"):
                 model.dsa_dump = _print_lines
         except BaseException:

@@ -220,7 +220,8 @@ def describe(entries: list[Entry]) -> list[str]:
 
 
 def plan(repo: str, revision: str | None = None, experts: str | None = None, trunk: str | None = None,
-         dtype: str = "auto", context: int = 4096, ram: int | None = None, budget: int | None = None):
+         dtype: str = "auto", context: int = 4096, ram: int | None = None, budget: int | None = None,
+         prefill_chunk: int | None = None):
     """`waste plan ORG/NAME`: (the memory plan, the estimate, the remote) from the Hub's metadata alone."""
     from .estimate import estimate
     from .remote import Remote
@@ -228,4 +229,4 @@ def plan(repo: str, revision: str | None = None, experts: str | None = None, tru
     remote = Remote(repo, revision).describe()
     text, weights, _ = select_files(remote)
     est = estimate(remote, text, weights, *_formats(experts, trunk))
-    return est.plan(dtype, context, ram, budget), est, remote
+    return est.plan(dtype, context, ram, budget, prefill_chunk), est, remote

@@ -39,12 +39,12 @@ class Estimate:
         return pick_dtype(name, self.trunk_stored + self.bank_bytes)
 
     def plan(self, dtype: str = "auto", context: int = 4096, ram: int | None = None,
-             budget: int | None = None) -> MemoryPlan:
+             budget: int | None = None, prefill_chunk: int | None = None) -> MemoryPlan:
         from ..runtime.plan import plan_from_sizes, resident_bytes
 
         dt = self.dtype(dtype)
         return plan_from_sizes(self.cfg, self.record, self.experts_per_layer,
-                               resident_bytes(self.trunk_header, self.trunk_entry, dt), dt, context, ram, budget)
+                               resident_bytes(self.trunk_header, self.trunk_entry, dt), dt, context, ram, budget, prefill_chunk)
 
 
 def estimate(remote: Remote, text: list[RemoteFile], weights: list[RemoteFile], experts: str = "auto",

@@ -59,6 +59,7 @@ class DecoderModel:
         self.predict_trace: list | None = None  # set to [] to record next-layer prefetch's (layer, predicted ids)
         self.predictor = None                   # a stand-in for predict_route: a replayed trace's predictions
         self.timer = NO_TIMER                   # waste bench --profile sets a timing.Timer
+        self.prefill_chunk: int | None = None   # at most this many of a sequence's rows per forward (the plan's)
         self.swiglu_limit = config.get("swiglu_limit")   # clamped SwiGLU in every MLP (None: plain)
         self.dense = [self.cfg["layers"][i]["mlp"] == "dense" for i in range(len(self.layers))]
         for lw in self.layers:            # routing math is float32: convert the router once, not per token
@@ -209,6 +210,9 @@ class DecoderModel:
             out = self.graphs.step(items, last_only)
             if out is not None:
                 return out
+        c = self.prefill_chunk
+        if c and any(ids.shape[0] > c for ids, _, _ in items):
+            return self._chunked(items, last_only, c)
         return [t if t.device.type == "cpu" else t.cpu() for t in self.step_logits(items, last_only)]  # sampling: host
 
     def step_logits(self, items: list, last_only: bool = True, static=None) -> list[torch.Tensor]:
@@ -242,6 +246,17 @@ class DecoderModel:
             with self.timer.section("trunk matvec"):
                 out.append(linear(rms_norm(x, self.norm, self.eps), self.head).float())
         return out
+
+    def _chunked(self, items: list, last_only: bool, c: int) -> list[torch.Tensor]:
+        """step over chunks of at most c rows per sequence (chunked prefill: a chunk's activations are what the plan
+        counts; one residency call per layer and chunk, so a chunk's tokens share its expert reads)."""
+        outs: list[list[torch.Tensor]] = [[] for _ in items]
+        for off in range(0, max(ids.shape[0] for ids, _, _ in items), c):
+            live = [j for j, (ids, _, _) in enumerate(items) if off < ids.shape[0]]
+            got = self.step([(items[j][0][off:off + c], items[j][1], items[j][2] + off) for j in live], last_only)
+            for j, y in zip(live, got):
+                outs[j] = [y] if last_only else outs[j] + [y]
+        return [o[0] if last_only else torch.cat(o) for o in outs]
 
     def forward(self, ids: torch.Tensor, state: list, start: int, last_only: bool = False) -> torch.Tensor:
         """ids [T] continuing a sequence of `start` tokens; returns float32 logits [T, V] (or [1, V])."""

@@ -49,7 +49,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
     def counters():
         s = cache.stats
         return (s.hits, s.misses, s.bytes_read, s.read_seconds, s.prefetch_bytes, s.predicted, s.predicted_right,
-                s.predicted_needed)
+                s.predicted_needed, s.wait_seconds)
 
     if routing == "uniform" and getattr(model, "moe", None):
         model.router = _uniform_router(model)         # taken away below
@@ -58,9 +58,10 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
     recorder = trace.Recorder(model) if record_trace else None
     try:
         c0 = counters()
-        t0 = time.perf_counter()
+        cpu0 = time.process_time()        # CPU seconds of the whole process (reader threads too): what load does
+        t0 = time.perf_counter()          # not inflate the way it inflates wall time
         logits = model.forward(torch.tensor(ids), state, 0, last_only=True)[-1]
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.process_time()
         c1 = counters()
         pos = len(ids)
         timer = Timer() if profile else NO_TIMER
@@ -70,7 +71,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
                 nxt = int(torch.argmax(logits)) if feed == "greedy" else fed[i]
             logits = model.forward(torch.tensor([nxt]), state, pos, last_only=True)[-1]
             pos += 1
-        t2 = time.perf_counter()
+        t2, cpu2 = time.perf_counter(), time.process_time()
         c2 = counters()
         model.timer = NO_TIMER
         if recorder is not None:
@@ -95,8 +96,8 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         if banks else (0.0, False)
     rec = cache.record_bytes
 
-    def phase(a, b, seconds, tokens):
-        hits, misses, nbytes, rsec, pbytes, pred, right, needed = (y - x for x, y in zip(a, b))
+    def phase(a, b, seconds, tokens, cpu):
+        hits, misses, nbytes, rsec, pbytes, pred, right, needed, waited = (y - x for x, y in zip(a, b))
         # the bound counts every record read, the prefetch's included (a prefetched expert is then a hit)
         bound = (misses * rec + pbytes) / bw if bw else 0.0
         return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds if seconds else 0.0,
@@ -104,6 +105,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
                 "bytes_read": nbytes, "read_seconds": rsec, "read_gb_per_s": nbytes / rsec / 1e9 if rsec else 0.0,
                 "prefetch_bytes": pbytes, "prefetch_precision": right / pred if pred else None,
                 "prefetch_recall": right / needed if needed else None,
+                "cpu_seconds": cpu, "wait_seconds": waited,     # blocked on this phase's reads (wall time)
                 "io_bound_seconds": bound, "io_bound_tok_per_s": tokens / bound if bound else None}
 
     plan = engine.plan
@@ -116,7 +118,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         "background_fill_bytes": cache.fill_bytes, "evictions": cache.stats.evictions, "feed": feed,
         "prefetch": cache.prefetch, "prefetch_evictions": cache.stats.prefetch_evictions,
         "routing": routing,
-        "prefill": phase(c0, c1, t1 - t0, len(ids)), "decode": phase(c1, c2, t2 - t1, n),
+        "prefill": phase(c0, c1, t1 - t0, len(ids), cpu1 - cpu0), "decode": phase(c1, c2, t2 - t1, n, cpu2 - cpu1),
         **({"profile": prof} if prof else {}),
     }
 

@@ -5,6 +5,8 @@ floor        = trunk (in the compute dtype) + KV / recurrent state for the conte
 working set  = one token's expert records: top_k x record bytes x MoE layers
 bank         = every record
 usable       = the smaller of RAM and the cgroup limit (v1 or v2); ceiling = 3/4 of usable
+The prefill chunk (`--prefill-chunk N`; default PREFILL_CHUNK, halved down to MIN_PREFILL_CHUNK only where one working
+set does not fit beside it) bounds what a prefill holds at once: scratch counts that chunk's activations.
 The automatic budget starts at as many working sets as cover the bank (a cache holding everything cannot
 improve by growing) and steps down one working set at a time until floor + budget fits under the ceiling.
 Below floor + one working set it refuses, with the numbers. --budget overrides, with a warning above the
@@ -27,6 +29,10 @@ from ..units import fmt_bytes as fmt_gb
 CEILING = 0.75
 SCRATCH_FIXED = 24 << 20       # measured: what loading and one generation add beyond trunk, state and slab on the
                                # tiny fixtures (tokenizer, allocator pools, thread stacks): tests/test_plan_rss.py
+PREFILL_CHUNK = 512            # a chunk's tokens share one read of each expert they route to: larger amortizes more
+MIN_PREFILL_CHUNK = 32
+
+
 def ram_bytes() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -122,11 +128,21 @@ def state_bytes(cfg: dict, context: int, dtype: torch.dtype) -> int:
     return total
 
 
-def scratch_bytes(cfg: dict, context: int, dtype: torch.dtype, record_bytes: int) -> int:
-    """Activations of a prefill chunk, the logits, and one expert unpacked into the compute dtype."""
+def scratch_bytes(cfg: dict, context: int, dtype: torch.dtype, record_bytes: int,
+                  chunk: int = PREFILL_CHUNK) -> int:
+    """What a forward of `chunk` rows holds beyond trunk and state (a prefill runs in chunks of that many rows),
+    the logits, and one expert unpacked into the compute dtype."""
     size = torch.empty(0, dtype=dtype).element_size()
-    chunk = min(context, 512)
-    act = 16 * chunk * cfg["hidden_size"] * size + chunk * cfg["vocab_size"] * 4
+    n = min(context, chunk)
+    h, moe, g = cfg["hidden_size"], cfg.get("moe") or {}, cfg.get("gqa") or {}
+    q = g.get("num_heads", 1) * g.get("head_dim", 2 * h)         # query / attention-output width (else 2 x hidden)
+    k, inter = moe.get("top_k") or 0, moe.get("intermediate_size") or 0
+    # residual, norms, sublayer outputs: 8 rows of hidden; q, k, v, rotated copies, attention output: 4 of q;
+    # each routed pair's output kept until the weighted sum (3 copies while groups land) and its expert's
+    # intermediates. Not counted: a later chunk's causal mask over the context (1 byte per row and position:
+    # 2 MB at 4k, 153 MB at 300k; tests/test_plan_rss.py holds the plan to a short prompt's peak)
+    act = n * size * (8 * h + 4 * q + k * (3 * h + 2 * inter))
+    act += n * cfg["vocab_size"] * 4
     unpack = 2 * record_bytes if size == 4 else 0
     return SCRATCH_FIXED + act + unpack
 
@@ -150,6 +166,7 @@ class MemoryPlan:
     context: int
     reason: str
     warning: str | None = None
+    prefill_chunk: int = PREFILL_CHUNK     # rows per forward of a prefill (scratch counts their activations)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -165,24 +182,33 @@ class MemoryPlan:
             f"bank            {fmt_gb(self.bank_bytes)} (every expert record)",
             f"expert budget   {fmt_gb(self.budget_bytes)} = {self.working_sets:.2f} working sets"
             f"{' (the whole bank: fully resident)' if self.resident else ''}",
+            f"prefill chunk   {self.prefill_chunk} tokens per forward (scratch counts their activations)",
             f"reason          {self.reason}",
         ] + ([f"warning         {self.warning}"] if self.warning else [])
 
 
 def plan_memory(container: Container, dtype: torch.dtype, context: int = 4096, ram: int | None = None,
-                budget: int | None = None, experts_per_layer: list[int] | None = None, share: int = 1) -> MemoryPlan:
+                budget: int | None = None, experts_per_layer: list[int] | None = None, share: int = 1,
+                prefill_chunk: int | None = None, baseline: int | None = None) -> MemoryPlan:
     """experts_per_layer: the experts this process holds per MoE layer; share: processes sharing this machine's
-    memory (expert parallel: its rank's share of the experts and of the host)."""
+    memory (expert parallel: its rank's share of the experts and of the host); prefill_chunk, baseline: as
+    plan_from_sizes."""
     ex = container.manifest["experts"]
     per_layer = experts_per_layer or [i["num_experts"] for i in ex["layers"].values()]
     return plan_from_sizes(container.config, ex["record_bytes"], per_layer,
-                           trunk_resident_bytes(container, dtype), dtype, context, ram, budget, share)
+                           trunk_resident_bytes(container, dtype), dtype, context, ram, budget, share=share,
+                           prefill_chunk=prefill_chunk, baseline=baseline)
 
 
 def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk: int, dtype: torch.dtype,
                     context: int = 4096, ram: int | None = None, budget: int | None = None,
-                    share: int = 1) -> MemoryPlan:
-    """The plan from the normalised config and sizes alone (waste/hub plans a release before downloading it)."""
+                    share: int = 1, prefill_chunk: int | None = None, baseline: int | None = None) -> MemoryPlan:
+    """The plan from the normalised config and sizes alone (waste/hub plans a release before downloading it).
+    share: processes splitting this machine's memory (expert parallel). prefill_chunk: rows per forward of a
+    prefill; None: PREFILL_CHUNK, halved while one working set does not fit. baseline: the process's own memory
+    before loading (None: measured now; `waste sweep` re-plans a loaded one)."""
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise WasteError(f"--prefill-chunk {prefill_chunk}: give a positive number of tokens (default: the plan's)")
     moe = cfg.get("moe") or {}
     n_moe = len(experts_per_layer)
     ws = (moe.get("top_k") or 0) * record * n_moe
@@ -196,12 +222,21 @@ def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk:
         usable, source = usable // share, f"{source} / {share} processes"
     ceiling = int(usable * CEILING)
     st = state_bytes(cfg, context, dtype)
-    scratch = scratch_bytes(cfg, context, dtype, record)
-    base = process_rss()
+    base = process_rss() if baseline is None else baseline
+    chunk = min(prefill_chunk or PREFILL_CHUNK, context)
+    if prefill_chunk is None and ws:
+        # halved only where one working set would not fit beside it: a streamed prefill reads about a layer's
+        # whole bank per chunk (128 experts, top-8: a 64-token chunk touches 98% of them), so a chunk of 512 reads
+        # 8x fewer bytes per prompt token than one of 64, for one or two working sets less of decode cache
+        low = min(MIN_PREFILL_CHUNK, chunk)
+        while chunk > low and trunk + st + base + scratch_bytes(cfg, context, dtype, record, chunk) + ws > ceiling:
+            chunk //= 2
+        chunk = max(chunk, low)
+    scratch = scratch_bytes(cfg, context, dtype, record, chunk)
     floor = trunk + st + scratch + base
     common = dict(usable_bytes=usable, usable_source=source, ceiling_bytes=ceiling, trunk_bytes=trunk, state_bytes=st,
                   scratch_bytes=scratch, baseline_bytes=base, floor_bytes=floor, record_bytes=record,
-                  working_set_bytes=ws, bank_bytes=bank, context=context)
+                  working_set_bytes=ws, bank_bytes=bank, context=context, prefill_chunk=chunk)
     if budget is not None:
         if record and budget < record:
             raise WasteError(f"--budget {budget} bytes is smaller than one expert record ({record} bytes)")
@@ -214,14 +249,23 @@ def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk:
                           resident=budget >= bank, reason="--budget", warning=warning)
     if not ws:
         return MemoryPlan(**common, budget_bytes=0, working_sets=0.0, resident=True, reason="no routed experts")
-    for m in range(math.ceil(bank / ws), 0, -1):
-        b = min(m * ws, bank)
-        if floor + b <= ceiling:
-            why = ("the whole bank fits under 3/4 of usable memory" if b == bank else
-                   f"{m} working set(s) is the most that fits under 3/4 of usable memory")
-            return MemoryPlan(**common, budget_bytes=b, working_sets=b / ws, resident=b >= bank, reason=why)
+    m, b = _fit(floor, ws, bank, ceiling)
+    if m:
+        why = ("the whole bank fits under 3/4 of usable memory" if b == bank else
+               f"{m} working set(s) is the most that fits under 3/4 of usable memory")
+        return MemoryPlan(**common, budget_bytes=b, working_sets=b / ws, resident=b >= bank, reason=why)
     raise WasteError(
         f"not enough memory: this model needs at least {fmt_gb(floor + ws)} (floor {fmt_gb(floor)} + one working "
         f"set {fmt_gb(ws)}), but 3/4 of usable memory is {fmt_gb(ceiling)} ({source} {fmt_gb(usable)}). "
         f"Lower --context (now {context}), close other programs, use a machine with more memory, "
         f"or force a smaller cache with --budget SIZE (slower)")
+
+
+def _fit(floor: int, ws: int, bank: int, ceiling: int) -> tuple[int, int]:
+    """(working sets, budget bytes) of the largest budget, in whole working sets up to the bank, that fits beside
+    `floor` under the ceiling; (0, 0) where not even one does."""
+    for m in range(math.ceil(bank / ws), 0, -1):
+        b = min(m * ws, bank)
+        if floor + b <= ceiling:
+            return m, b
+    return 0, 0

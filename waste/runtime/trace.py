@@ -121,7 +121,10 @@ def routes(engine, ids: list[int]) -> dict[int, torch.Tensor]:
     m.route_trace = []
     try:
         m.forward(torch.tensor(ids), m.new_state(), 0, last_only=True)
-        return {layer: idx for layer, idx in m.route_trace}
+        out: dict[int, list] = {}
+        for layer, idx in m.route_trace:      # one entry per prefill chunk and layer, in order
+            out.setdefault(layer, []).append(idx)
+        return {layer: torch.cat(v) for layer, v in out.items()}
     finally:
         m.route_trace = None
 
