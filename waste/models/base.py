@@ -184,20 +184,24 @@ class DecoderModel:
 
     @torch.inference_mode()
     def step(self, items: list, last_only: bool = True) -> list[torch.Tensor]:
-        """items [(ids [T], state, start)], one per sequence, each continuing its sequence of `start` tokens ->
+        """items [(ids [T], state, start[, rows])], one per sequence, each continuing its sequence of `start` tokens
+        (rows: an EmbeddedRows whose rows replace the embeddings at its positions: images) ->
         float32 logits per sequence ([1, V] with last_only, else [T, V]). The one forward of prefill and decode, of
         one request (Engine.generate) and of a batch (the server's scheduler); a sequence's logits are bit-identical
         alone or batched."""
         hs, positions, scratch = [], [], []
-        for ids, _, start in items:
+        for ids, _, start, *rows in items:
             if ids.device != self.device:
                 ids = ids.to(self.device)
-            hs.append(self.stream_in(F.embedding(ids, self.embed)))
+            x = F.embedding(ids, self.embed)
+            if rows and rows[0] is not None:     # an image's rows in place of its placeholders' embeddings
+                x = rows[0].splice(x, start)
+            hs.append(self.stream_in(x))
             positions.append(torch.arange(start, start + ids.shape[0], device=self.device))
             scratch.append({"start": start})
         for i, lw in enumerate(self.layers):
             normed, ctxs = [], []
-            for j, (_, state, _) in enumerate(items):
+            for j, (_, state, *_) in enumerate(items):
                 u, ctx = self.block_in(i, "attn", hs[j])
                 with self.timer.section("attention"):
                     a, state[i] = self.attend(i, rms_norm(u, lw["input_layernorm.weight"], self.eps), state[i],
