@@ -80,6 +80,14 @@ def hf_processor(src: Path):
     return p
 
 
+def build(root: Path):
+    """(release dir, transformers model, converted container) under root."""
+    from waste.convert.convert import convert
+
+    src, hf = write_release(root / "src")
+    return src, hf, convert(src, root / "glm5v.waste", experts="bf16", trunk="bf16", progress=False)
+
+
 def copy_without_vision(container: Path, dst: Path) -> Path:
     shutil.copytree(container, dst)
     m = json.loads((dst / "manifest.json").read_text())

@@ -52,6 +52,6 @@ def features(manifest: dict) -> list[str]:
     v = manifest.get("vision")
     if v:
         out.append(f"vision tower: {v['tensors']} tensors, {v['params']:,} parameters in {v['file']} "
-                   "(not loaded for text)")
+                   "(never read for text)")
     out += manifest.get("notes") or []
     return out

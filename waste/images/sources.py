@@ -77,3 +77,22 @@ def _fetch(url: str, policy: FetchPolicy, where: str) -> bytes:
     if len(data) > policy.max_bytes:
         raise WasteError(f"{where}: the image at the URL is larger than {policy.max_bytes} bytes")
     return data
+
+
+def file_part(path: str) -> dict:
+    """An image part from a file (`waste run --image`, `/image` in `waste chat`), checked to decode now."""
+    from pathlib import Path
+
+    from .decode import open_image
+
+    p = Path(path).expanduser()
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise WasteError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise WasteError(f"{path} is a directory, not an image file") from None
+    except OSError as e:
+        raise WasteError(f"{path} cannot be read ({e.strerror})") from None
+    img = open_image(data, str(path))
+    return {"type": "image", "image": data, "size": img.size}

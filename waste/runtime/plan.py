@@ -1,7 +1,8 @@
 """The memory plan: how much of the expert bank to keep in memory (seeds 0.6.7 and 0.7.0).
 
 floor        = trunk (in the compute dtype) + KV / recurrent state for the context + scratch + the process's
-               own measured baseline
+               own measured baseline (+ the vision tower and its activations for the largest image, when the
+               container has one: loaded on the first image, then kept; reserved here so that it always fits)
 working set  = one token's expert records: top_k x record bytes x MoE layers
 bank         = every record
 usable       = the smaller of RAM and the cgroup limit (v1 or v2); ceiling = 3/4 of usable
@@ -146,6 +147,7 @@ class MemoryPlan:
     context: int
     reason: str
     warning: str | None = None
+    vision_bytes: int = 0           # the tower + its activations for the largest image (part of the floor)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -155,7 +157,8 @@ class MemoryPlan:
             f"usable memory   {fmt_gb(self.usable_bytes)} ({self.usable_source}); ceiling 3/4 = {fmt_gb(self.ceiling_bytes)}",
             f"floor           {fmt_gb(self.floor_bytes)} = trunk {fmt_gb(self.trunk_bytes)} + state for {self.context} "
             f"tokens {fmt_gb(self.state_bytes)} + scratch {fmt_gb(self.scratch_bytes)} + process baseline "
-            f"{fmt_gb(self.baseline_bytes)}",
+            f"{fmt_gb(self.baseline_bytes)}" + (f" + vision tower {fmt_gb(self.vision_bytes)} (loaded on the first "
+                                                 f"image)" if self.vision_bytes else ""),
             f"working set     {fmt_gb(self.working_set_bytes)} (one token's experts: top_k x {fmt_gb(self.record_bytes)} "
             f"per record x MoE layers)",
             f"bank            {fmt_gb(self.bank_bytes)} (every expert record)",
@@ -169,11 +172,26 @@ def plan_memory(container: Container, dtype: torch.dtype, context: int = 4096, r
                 budget: int | None = None) -> MemoryPlan:
     ex = container.manifest["experts"]
     return plan_from_sizes(container.config, ex["record_bytes"], [i["num_experts"] for i in ex["layers"].values()],
-                           trunk_resident_bytes(container, dtype), dtype, context, ram, budget)
+                           trunk_resident_bytes(container, dtype), dtype, context, ram, budget,
+                           vision_resident_bytes(container, dtype))
+
+
+def vision_resident_bytes(container: Container, dtype: torch.dtype) -> int:
+    """The vision tower in the compute dtype plus its activations for the largest image the processor makes
+    (patches x (4 x hidden + 3 x intermediate) values: the residual, q/k/v and the MLP's three); 0 without one."""
+    v = container.manifest.get("vision")
+    if not v:
+        return 0
+    size = torch.empty(0, dtype=dtype).element_size()
+    c, pre = v.get("config") or {}, v.get("preprocessor") or {}
+    patches = pre.get("max_image_tokens", 8000) * c.get("spatial_merge_size", 2) ** 2
+    acts = patches * (4 * c.get("hidden_size", 1024) + 3 * c.get("intermediate_size", 4096))
+    return (v["params"] + acts) * size
 
 
 def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk: int, dtype: torch.dtype,
-                    context: int = 4096, ram: int | None = None, budget: int | None = None) -> MemoryPlan:
+                    context: int = 4096, ram: int | None = None, budget: int | None = None,
+                    vision: int = 0) -> MemoryPlan:
     """The plan from the normalised config and sizes alone (waste/hub plans a release before downloading it)."""
     moe = cfg.get("moe") or {}
     n_moe = len(experts_per_layer)
@@ -188,8 +206,9 @@ def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk:
     st = state_bytes(cfg, context, dtype)
     scratch = scratch_bytes(cfg, context, dtype, record)
     base = process_rss()
-    floor = trunk + st + scratch + base
+    floor = trunk + st + scratch + base + vision
     common = dict(usable_bytes=usable, usable_source=source, ceiling_bytes=ceiling, trunk_bytes=trunk, state_bytes=st,
+                  vision_bytes=vision,
                   scratch_bytes=scratch, baseline_bytes=base, floor_bytes=floor, record_bytes=record,
                   working_set_bytes=ws, bank_bytes=bank, context=context)
     if budget is not None:
