@@ -163,3 +163,24 @@ def test_info_and_plan_count_the_tower(vis):
     assert plan["floor_bytes"] == sum(plan[k] for k in ("trunk_bytes", "state_bytes", "scratch_bytes",
                                                          "baseline_bytes", "vision_bytes"))
     assert "vision tower" in cli("plan", vis["out"]).stdout
+
+
+def test_hub_plan_reserves_the_tower_as_the_container_plan_does(vis, tmp_path, monkeypatch, capsys):
+    """`waste plan ORG/NAME` from the Hub's metadata counts the tower the same as `waste plan` on the container."""
+    import huggingface_hub.constants as hc
+    from hub_server import HubServer
+
+    from waste.cli import main
+
+    monkeypatch.setenv("WASTE_CACHE_DIR", str(tmp_path / "cache"))
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hc, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    with HubServer() as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        h.add("org/glm5v", vis["root"] / "src")
+        assert main(["plan", "org/glm5v", "--json", "--dtype", "float32", "--experts", "bf16", "--trunk", "bf16"]) == 0
+    hub_plan = json.loads(capsys.readouterr().out)
+    local = json.loads(cli("plan", vis["out"], "--json", "--dtype", "float32").stdout)
+    assert hub_plan["vision_bytes"] == local["vision_bytes"] > 0

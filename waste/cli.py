@@ -183,9 +183,11 @@ def cmd_plan(a):
     check(params.engine, a.context, 1)
     if _is_hub(a.model):
         return _hub_plan(a)
+    from .vision import RUNS
+
     c = _open(model_path(a.model))
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
-                    None if a.budget is None else parse_size(a.budget))
+                    None if a.budget is None else parse_size(a.budget), vision=c.family in RUNS)
     if a.json:
         print(json.dumps(p.to_json(), indent=1))
     else:

@@ -19,7 +19,7 @@ from .runtime.dtype import resolve_dtype
 from .runtime.plan import MemoryPlan, plan_memory
 from .units import parse_size
 from .runtime.sampling import Sampler, SamplingParams
-from .vision import Vision
+from .vision import RUNS as VISION_RUNS, Vision
 
 def set_experts_per_token(model, k: int) -> None:
     """Route each token to k experts (seed 0.6.7 §56: fewer experts per token is a speed/quality trade left to
@@ -253,7 +253,7 @@ class Engine:
             if experts_per_token is not None:
                 check_experts_per_token(container.config, experts_per_token)   # before the cache's fill thread
             plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
-                               None if budget is None else parse_size(budget))
+                               None if budget is None else parse_size(budget), vision=container.family in VISION_RUNS)
             from .text.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(container.root)

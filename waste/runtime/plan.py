@@ -169,24 +169,28 @@ class MemoryPlan:
 
 
 def plan_memory(container: Container, dtype: torch.dtype, context: int = 4096, ram: int | None = None,
-                budget: int | None = None) -> MemoryPlan:
+                budget: int | None = None, vision: bool = False) -> MemoryPlan:
+    """vision: the container's tower runs (waste.vision.RUNS), so the floor reserves it."""
     ex = container.manifest["experts"]
     return plan_from_sizes(container.config, ex["record_bytes"], [i["num_experts"] for i in ex["layers"].values()],
                            trunk_resident_bytes(container, dtype), dtype, context, ram, budget,
-                           vision_resident_bytes(container, dtype))
+                           vision_resident_bytes(container, dtype) if vision else 0)
 
 
 def vision_resident_bytes(container: Container, dtype: torch.dtype) -> int:
     """The vision tower in the compute dtype plus its activations for the largest image the processor makes
     (patches x (4 x hidden + 3 x intermediate) values: the residual, q/k/v and the MLP's three); 0 without one."""
     v = container.manifest.get("vision")
-    if not v:
-        return 0
-    size = torch.empty(0, dtype=dtype).element_size()
-    c, pre = v.get("config") or {}, v.get("preprocessor") or {}
+    return vision_bytes(v["params"], v.get("config"), v.get("preprocessor"), dtype) if v else 0
+
+
+def vision_bytes(params: int, config: dict | None, preprocessor: dict | None, dtype: torch.dtype) -> int:
+    """vision_resident_bytes from the tower's parameter count, vision_config and preprocessor_config.json (also what
+    waste/hub reckons for a release before it is downloaded)."""
+    c, pre = config or {}, preprocessor or {}
     patches = pre.get("max_image_tokens", 8000) * c.get("spatial_merge_size", 2) ** 2
     acts = patches * (4 * c.get("hidden_size", 1024) + 3 * c.get("intermediate_size", 4096))
-    return (v["params"] + acts) * size
+    return (params + acts) * torch.empty(0, dtype=dtype).element_size()
 
 
 def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk: int, dtype: torch.dtype,
