@@ -17,9 +17,6 @@ from ..errors import WasteError
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _BICUBIC = 3
-_KNOWN = {"patch_size", "temporal_patch_size", "merge_size", "min_image_tokens", "max_image_tokens", "image_mean",
-          "image_std", "rescale_factor", "do_rescale", "do_normalize", "do_resize", "do_convert_rgb", "resample",
-          "image_processor_type", "processor_class", "patch_expand_factor", "size", "default_to_square"}
 
 
 @dataclass(frozen=True)
