@@ -81,6 +81,22 @@ def test_tower_matches_transformers(rel):
     assert got.shape == torch.cat(want).shape and err < 1e-4
 
 
+def test_bf16_tower_rounds_like_transformers_bf16(rel):
+    """In bfloat16 (--dtype auto above 2 GiB) the tower's distance from the float32 rows is transformers' own."""
+    import copy
+
+    ref = rel["proc"].image_processor([picture(150, 100)], return_tensors="pt")
+    with torch.no_grad():
+        f32 = rel["hf"].model.visual(ref["pixel_values"], grid_thw=ref["image_grid_thw"]).pooler_output
+        theirs = copy.deepcopy(rel["hf"].model.visual).to(torch.bfloat16)(
+            ref["pixel_values"].to(torch.bfloat16), grid_thw=ref["image_grid_thw"]).pooler_output
+    ours = waste.load(rel["out"], dtype="bfloat16").vision.tower()(ref["pixel_values"],
+                                                                     [tuple(ref["image_grid_thw"][0, 1:].tolist())])
+    a, b = rel_l2(ours.float(), f32), rel_l2(theirs.float(), f32)
+    print(f"glm5 tower bf16: ours {a:.2e}, transformers {b:.2e}")
+    assert ours.dtype == torch.bfloat16 and a < 2 * b
+
+
 def _hf_inputs(rel, c, imgs):
     return rel["proc"](images=imgs, text=[c.rendered.text], return_tensors="pt")
 
