@@ -267,11 +267,22 @@ class ChatCompletion:
 
 def chat(engine, messages, tools=None, max_tokens=None, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
          stop=None, stream=False, reasoning_effort=None, thinking=None, chat_template_kwargs=None,
-         tool_choice=None) -> ChatCompletion:
+         tool_choice=None, image_policy=None) -> ChatCompletion:
     """Render, validate and start one reply (see Engine.chat). Every refusal is raised here, before a token
-    is generated. max_tokens: None, or more than the context has left, means up to the end of the context."""
+    is generated. max_tokens: None, or more than the context has left, means up to the end of the context.
+    image_policy: how image URLs are fetched (waste.images.sources.FetchPolicy; None: its defaults)."""
     fmt = engine.chat_format()
-    msgs = normalise_messages(messages)
+    images: list = []
+    msgs = normalise_messages(messages, images)
+    vision = getattr(engine, "vision", None)
+    if images:
+        if vision is None or not vision.available:
+            why = vision.why_not() if vision is not None else "this engine takes text only"
+            raise ChatRequestError(f"{images[0][0]}: {why}; send text parts only", "messages")
+        try:
+            images = vision.load(images, image_policy)
+        except WasteError as e:
+            raise ChatRequestError(str(e), "messages") from None
     tools = _check_tools(tools)
     choice = _check_tool_choice(tool_choice, tools)
     if choice == "none":
@@ -284,6 +295,13 @@ def chat(engine, messages, tools=None, max_tokens=None, temperature=0.0, top_p=1
         raise ChatRequestError("reasoning_effort must be a string", "reasoning_effort")
     rendered = fmt.render(msgs, tools=tools, tool_choice=choice, thinking=thinking, reasoning_effort=reasoning_effort,
                           chat_template_kwargs=chat_template_kwargs)
+    rows = None
+    if images:
+        try:
+            ids, rows = vision.expand(rendered.ids, images)
+        except WasteError as e:
+            raise ChatRequestError(f"messages: {e}", "messages") from None
+        rendered = dataclasses.replace(rendered, ids=ids)
     context = context_length(engine)
     room = context - len(rendered.ids)
     if room < 1:
@@ -295,7 +313,8 @@ def chat(engine, messages, tools=None, max_tokens=None, temperature=0.0, top_p=1
         raise ChatRequestError("stop must be a list of strings", "stop")
     n = room if max_tokens is None else min(max_tokens, room)
     sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
-    completion = ChatCompletion(engine.generation(rendered.ids, n, sampling, stop or [], fmt.stop_ids), rendered)
+    completion = ChatCompletion(engine.generation(rendered.ids, n, sampling, stop or [], fmt.stop_ids,
+                                                  **({"images": rows} if rows is not None else {})), rendered)
     if not stream:
         for _ in completion:
             pass
@@ -310,9 +329,11 @@ def context_length(engine) -> int:
     return min(limits) if limits else 4096
 
 
-def normalise_messages(messages) -> list[dict]:
-    """OpenAI messages -> what the renderers take: text parts joined, `developer` read as `system`; images and
-    unknown roles refused by name."""
+def normalise_messages(messages, images: list | None = None) -> list[dict]:
+    """OpenAI messages -> what the renderers take: text parts joined, `developer` read as `system`; unknown roles
+    refused by name. Image parts are refused too unless `images` is a list: then each is appended to it as
+    (where, part) and the message keeps its parts in order, text as {"type": "text"}, images as {"type": "image"}
+    (what chat templates and chat.json write their image markup for)."""
     if not isinstance(messages, list) or not messages:
         raise ChatRequestError("messages must be a non-empty list", "messages")
     out = []
@@ -326,16 +347,20 @@ def normalise_messages(messages) -> list[dict]:
             raise ChatRequestError(f"messages[{i}]: unknown role {m['role']!r} (one of {', '.join(ROLES)})", "messages")
         content = m.get("content")
         if isinstance(content, list):
-            texts = []
-            for part in content:
+            texts, parts = [], []
+            for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     texts.append(part["text"])
+                    parts.append({"type": "text", "text": part["text"]})
                 elif kind in ("image", "image_url", "input_image"):
-                    raise ChatRequestError(f"messages[{i}]: images are not supported by this engine yet", "messages")
+                    if images is None:
+                        raise ChatRequestError(f"messages[{i}]: images are not supported here", "messages")
+                    images.append((f"messages[{i}].content[{j}]", part))
+                    parts.append({"type": "image"})
                 else:
                     raise ChatRequestError(f"messages[{i}]: a {kind!r} content part is not supported", "messages")
-            m["content"] = "\n".join(texts)
+            m["content"] = parts if len(parts) > len(texts) else "\n".join(texts)
         elif content is not None and not isinstance(content, str):
             raise ChatRequestError(f"messages[{i}].content must be a string, null or a list of parts", "messages")
         if m.get("reasoning") is not None and m.get("reasoning_content") is None:

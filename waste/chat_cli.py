@@ -15,6 +15,7 @@ HELP = '''commands:
   /system TEXT   set the system prompt (it survives /reset); /system alone removes it
   /reset         start the conversation over
   /result TEXT   answer the model's next unanswered tool call with TEXT (with --tools FILE)
+  /image PATH    attach an image file to your next message (a model with a vision tower)
   /exit, /quit   leave (Ctrl-D on an empty prompt too)
   /help          this text
 input:
@@ -42,6 +43,7 @@ class Session:
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.system: str | None = args.system
         self.history: list[dict] = []
+        self.images: list[dict] = []          # /image parts waiting for the next message
         self.tools = read_tools(args.tools) if getattr(args, "tools", None) else None
         color = not os.environ.get("NO_COLOR")
         self.dim_out = color and self.out.isatty()
@@ -82,6 +84,8 @@ class Session:
             self.note(f"system prompt set ({len(self.system)} characters)" if self.system else "system prompt removed")
         elif name == "/result":
             self.result(arg)
+        elif name == "/image":
+            self.attach(arg.strip())
         elif name in ("/help", "/?"):
             self.note(HELP)
         else:
@@ -96,8 +100,29 @@ class Session:
         return f"{DIM}{text}{RESET}" if on and text else text
 
     # one turn ------------------------------------------------------------------------------------
+    def attach(self, path: str) -> None:
+        from .errors import WasteError
+        from .images.sources import file_part
+
+        if not path:
+            self.note("usage: /image PATH")
+            return
+        if not self.engine.vision.available:
+            self.note(f"refused: {self.engine.vision.why_not()}")
+            return
+        try:
+            part = file_part(path)
+        except WasteError as e:
+            self.note(f"refused: {e}")
+            return
+        self.images.append({"type": "image", "image": part["image"]})
+        w, h = part["size"]
+        self.note(f"image attached ({w}x{h}); it goes with your next message")
+
     def turn(self, text: str) -> None:
-        self.history.append({"role": "user", "content": text})
+        parts, self.images = self.images, []
+        content = [*parts, {"type": "text", "text": text}] if parts else text
+        self.history.append({"role": "user", "content": content})
         self.reply()
 
     def pending_calls(self) -> list[dict]:

@@ -87,6 +87,10 @@ def cmd_info(a):
         return _convert_only(a, a.model)
     c = _open(model_path(_model(a, a.model)))
     d = describe(c, family(c.family).features_of(c.config))
+    if d["vision"]:
+        from .vision import RUNS
+
+        d["vision"]["runs"] = c.family in RUNS      # image parts accepted (else converted, not run yet)
     if a.model is None:
         d["default_model"] = True
     if a.json:
@@ -101,6 +105,10 @@ def cmd_info(a):
                       "`waste plan` gives its size in memory, in the compute dtype)"),
             ("expert banks", f"{_fmt_bytes(d['bank_bytes'])} on disk in {d['moe_layers']} files ({d['expert_format']}, "
                              f"{_fmt_bytes(d['record_bytes'])} per expert record)"),
+            *([("vision tower", f"{_fmt_count(d['vision']['params'])} parameters, {_fmt_bytes(d['vision']['bytes'])} "
+                                f"on disk ({d['vision']['format']}); "
+                                + ("runs on image parts, loaded on the first image" if d["vision"]["runs"]
+                                   else "not run by waste yet: text only"))] if d["vision"] else []),
             ("tokenizer", d["tokenizer"] or "none"), ("chat", d["chat"] or "none"),
             ("converted", d["provenance"])]
     w = max(len(k) for k, _ in rows)
@@ -202,11 +210,14 @@ def cmd_plan(a):
     check(params.engine, a.context, 1)
     if _is_hub(a.model):
         return _hub_plan(a)
+    from .vision import RUNS
+
     c = _open(model_path(a.model))
     if a.expert_parallel is not None:
         return _plan_ranks(a, c)
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
-                    None if a.budget is None else parse_size(a.budget), prefill_chunk=a.prefill_chunk)
+                    None if a.budget is None else parse_size(a.budget), prefill_chunk=a.prefill_chunk,
+                    vision=c.family in RUNS)
     dev = a.device
     if dev == "auto":
         import torch
@@ -414,7 +425,7 @@ def cmd_serve(a):
     key = a.api_key or os.environ.get("WASTE_API_KEY") or None
     serve(a.model, host=a.host, port=a.port, api_key=key, max_queue=a.max_queue, max_batch=a.max_batch,
           model_name=a.model_name, load=lambda model: _load(a, model), sock=sock, max_body=max_body,
-          grace=a.shutdown_grace)
+          grace=a.shutdown_grace, image_urls=not a.no_image_urls)
 
 
 def cmd_run(a):
@@ -434,6 +445,8 @@ def cmd_run(a):
         print(f"waste: warning: {eng.plan.warning}", file=sys.stderr)
     from .chat import context_length
 
+    if a.image:
+        return _run_with_images(a, eng, prompt)
     ids = eng.encode(prompt)
     ctx = context_length(eng)
     try:
@@ -455,6 +468,28 @@ def cmd_run(a):
     finally:
         sys.stdout.write("\n")
         print(g.stats.line(), file=sys.stderr)
+
+
+def _run_with_images(a, eng, prompt: str) -> None:
+    """`waste run MODEL --image PATH PROMPT`: one user turn (the images, then the prompt) through the model's chat
+    format; the reply is printed as it streams."""
+    from .images.sources import file_part
+    from .text.parsers import Content, Reasoning
+
+    if not eng.vision.available:
+        raise WasteError(f"--image: {eng.vision.why_not()}")
+    parts = [{"type": "image", "image": file_part(p)["image"]} for p in a.image]
+    c = eng.chat([{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}], max_tokens=a.n,
+                 temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, seed=a.seed,
+                 stop=a.stop or None, stream=True)
+    try:
+        for event in c:
+            if isinstance(event, (Content, Reasoning)):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    finally:
+        sys.stdout.write("\n")
+        print(c.stats.line(), file=sys.stderr)
 
 
 # ---- models from the Hub (waste/hub): MODEL may be ORG/NAME; fetch, list, rm ----
@@ -603,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-p", type=float, default=0.05, help="default 0.05")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: the same text every run)")
     r.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    r.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image file (repeatable): the prompt becomes one chat turn with the images before it "
+                        "(a model with a vision tower)")
     _engine_args(r)
     r.set_defaults(fn=cmd_run)
 
@@ -648,6 +686,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                     help="on SIGTERM, how long running requests may finish before they are ended with an error "
                          "event (default 30)")
+    sv.add_argument("--no-image-urls", action="store_true",
+                    help="refuse http(s) image URLs in image_url parts (data: URLs still work); by default they are "
+                         "fetched, up to 20 MB and 10 s each")
     _engine_args(sv)
     sv.add_argument("--top-k", action=_routing_top_k("serve"), help=argparse.SUPPRESS)
     sv.set_defaults(fn=cmd_serve)
@@ -770,7 +811,12 @@ def main(argv=None) -> int:
     # (shared/reference/machine.md §C); a value the user set is kept
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra and getattr(args, "verb", None) == "run" and not any(x.startswith("-") for x in extra):
+            args.args += extra       # `waste run MODEL --image PATH PROMPT`: the prompt after an option
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except WasteError as e:          # a flag refused by name (a renamed one)
         print(f"waste: error: {e}", file=sys.stderr)
         return 1

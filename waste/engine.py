@@ -20,6 +20,7 @@ from .runtime.plan import MemoryPlan, plan_memory
 from .runtime.vram import vram_budget
 from .units import parse_size
 from .runtime.sampling import Sampler, SamplingParams
+from .vision import RUNS as VISION_RUNS, Vision
 
 def set_experts_per_token(model, k: int) -> None:
     """Route each token to k experts (seed 0.6.7 §56: fewer experts per token is a speed/quality trade left to
@@ -99,6 +100,7 @@ class Decoding:
         self._body: list[int] = []          # generated ids, end ids excluded
         self._shown = 0                     # characters of text already handed out
         self._hold = max((len(s) for s in self.stop), default=1) - 1   # a stop string may be forming
+        self.images = None                  # the prompt's image rows (models.vision.EmbeddedRows), spliced at prefill
 
     def sample(self, logits: torch.Tensor) -> int:
         tok = self.sampler(logits)
@@ -147,12 +149,13 @@ class Generation:
     `Decoding` (`self.decoding`), which the server's scheduler drives directly when it batches requests."""
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop: list[str], stop_ids=(), logprobs: int | None = None):
+                 stop: list[str], stop_ids=(), logprobs: int | None = None, images=None):
         if not prompt_ids:
             raise WasteError("the prompt is empty: give at least one token of text")
         self.engine, self.prompt_ids, self.max_tokens = engine, prompt_ids, max_tokens
         self.decoding = Decoding(engine.tokenizer, max_tokens, sampling, stop, set(engine.eos_ids) | set(stop_ids),
                                  logprobs)
+        self.decoding.images = images
         self.token_ids: list[int] = self.decoding.token_ids
         self.text = ""
         self.finish_reason: str | None = None
@@ -170,7 +173,7 @@ class Generation:
         model, stats0 = e.model, e.experts.stats.snapshot()
         state = model.take_state()
         t0 = time.perf_counter()
-        logits = model.step([(torch.tensor(self.prompt_ids), state, 0)])[0][-1]
+        logits = model.step([(torch.tensor(self.prompt_ids), state, 0, self.decoding.images)])[0][-1]
         self.stats.prefill_seconds = time.perf_counter() - t0
         pos = len(self.prompt_ids)
         t1 = time.perf_counter()
@@ -216,6 +219,7 @@ class Engine:
         self.container, self.model, self.tokenizer, self.experts, self.dtype = container, model, tokenizer, experts, dtype
         self.plan = plan
         self._chat_format = None    # loaded on first use (chat_format()): the format, or why there is none
+        self.vision = Vision(container, tokenizer, dtype)    # images in prompts; the tower loads on the first one
         self.eos_ids = set(container.config.get("eos_token_ids") or [])
         gen = container.text_file("generation_config")
         if gen and gen.is_file():
@@ -259,7 +263,7 @@ class Engine:
             plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
                                None if budget is None else parse_size(budget),
                                None if ep is None else [len(o) for o in owned.values()], ep.local_world if ep else 1,
-                               prefill_chunk=prefill_chunk)
+                               prefill_chunk=prefill_chunk, vision=container.family in VISION_RUNS)
             from .text.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(container.root)
@@ -289,9 +293,10 @@ class Engine:
         return self.tokenizer.encode(text)
 
     def generation(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: list[str],
-                   stop_ids=(), logprobs: int | None = None) -> Generation:
-        """A request not started yet: iterating it generates (what generate() and chat() hand out)."""
-        return Generation(self, prompt_ids, max_tokens, sampling, stop, stop_ids, logprobs)
+                   stop_ids=(), logprobs: int | None = None, images=None) -> Generation:
+        """A request not started yet: iterating it generates (what generate() and chat() hand out). images: the
+        rows that replace the prompt's image placeholders (Vision.expand)."""
+        return Generation(self, prompt_ids, max_tokens, sampling, stop, stop_ids, logprobs, images)
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
@@ -307,15 +312,19 @@ class Engine:
     def chat(self, messages: list[dict], tools: list[dict] | None = None, max_tokens: int | None = None,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
              stop: list[str] | None = None, stream: bool = False, reasoning_effort: str | None = None,
-             thinking: bool | None = None, chat_template_kwargs: dict | None = None, tool_choice=None):
+             thinking: bool | None = None, chat_template_kwargs: dict | None = None, tool_choice=None,
+             image_policy=None):
         """A chat turn through the container's chat format (waste/chat.py): stream=True gives a ChatCompletion to
         iterate for Content / Reasoning / ToolCall events; stream=False the finished one (content,
-        reasoning_content, tool_calls, finish_reason, usage). Raises UnsupportedChatFormat or ChatRequestError."""
+        reasoning_content, tool_calls, finish_reason, usage). Raises UnsupportedChatFormat or ChatRequestError.
+        Image parts (`image_url` with a data: or http(s) URL, or `{"type": "image", "image": bytes}`) need a model
+        whose tower runs; image_policy (waste.images.sources.FetchPolicy) limits URL fetches."""
         from .chat import chat
 
         return chat(self, messages, tools=tools, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                     top_k=top_k, min_p=min_p, seed=seed, stop=stop, stream=stream, reasoning_effort=reasoning_effort,
-                    thinking=thinking, chat_template_kwargs=chat_template_kwargs, tool_choice=tool_choice)
+                    thinking=thinking, chat_template_kwargs=chat_template_kwargs, tool_choice=tool_choice,
+                    image_policy=image_policy)
 
     def chat_format(self):
         """The container's chat format (waste/chat.py), loaded once; raises UnsupportedChatFormat, the same one

@@ -53,6 +53,27 @@ class Container:
                                            "run `waste verify` and re-convert")
         return tensors
 
+    def load_vision(self, verify: bool = True) -> dict:
+        """The vision tower's tensors (manifest `vision`), each checked against its CRC32; WasteError without one."""
+        from safetensors.torch import load_file
+
+        v = self.manifest.get("vision")
+        if not v:
+            raise WasteError("this model has no vision tower: it takes text only")
+        path = self.root / v["file"]
+        try:
+            tensors = load_file(str(path))
+        except Exception as e:
+            raise DamagedContainer(f"vision {v['file']} cannot be read ({e}): re-convert the model") from None
+        if set(v["crc32"]) != set(tensors):
+            raise DamagedContainer(f"vision {v['file']} does not hold the tensors the manifest lists")
+        if verify:
+            for name, t in tensors.items():
+                if zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) != v["crc32"][name]:
+                    raise DamagedContainer(f"vision tensor {name} fails its checksum: the container is damaged; "
+                                           "run `waste verify` and re-convert")
+        return tensors
+
     def close(self) -> None:
         for b in self.banks.values():
             b.close()

@@ -48,6 +48,6 @@ def features(manifest: dict, family_features: list[str] = ()) -> list[str]:
     v = manifest.get("vision")
     if v:
         out.append(f"vision tower: {v['tensors']} tensors, {v['params']:,} parameters in {v['file']} "
-                   "(not loaded for text)")
+                   "(never read for text)")
     out += manifest.get("notes") or []
     return out

@@ -32,5 +32,7 @@ def describe(c: Container, family_features: list[str] = ()) -> dict:
         "record_bytes": m["experts"]["record_bytes"],
         "tokenizer": text.get("tokenizer") and "tokenizer.json" or text.get("tiktoken") and "tiktoken.model",
         "chat": "chat_template.jinja" if text.get("chat_template") else "chat.json" if text.get("chat") else None,
+        "vision": ({"file": m["vision"]["file"], "params": m["vision"]["params"], "bytes": m["vision"]["bytes"],
+                    "format": m["vision"]["format"]} if m.get("vision") else None),
         "provenance": f"{m['provenance'].get('date')} by {m['provenance'].get('converter')} from {m['provenance'].get('source')}",
     }

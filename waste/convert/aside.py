@@ -2,14 +2,17 @@
 with an image) and tensors an adapter deliberately drops (DeepSeek's MTP layers), recorded as notes."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
 import torch
 
 from ..container.trunk import TrunkWriter
+from ..errors import WasteError
 
 VISION_FILE = "vision.safetensors"
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_start_token_id", "image_end_token_id", "media_placeholder_token_id")
 
 
 class VisionWriter:
@@ -23,6 +26,13 @@ class VisionWriter:
                 self.src[n] = v
         self.fmt = fmt
         self.vision_config = ckpt.config.get("vision_config")
+        # what runs the tower needs besides its weights: the placeholder token ids and the image processor's config
+        self.tokens = {k: ckpt.config[k] for k in IMAGE_TOKEN_KEYS if ckpt.config.get(k) is not None}
+        pre = Path(ckpt.src) / "preprocessor_config.json"
+        try:
+            self.preprocessor = json.loads(pre.read_text()) if pre.is_file() else None
+        except ValueError as e:
+            raise WasteError(f"{pre} is not valid JSON: {e}") from None
         self.writer = None
         if self.src:
             specs = {}
@@ -47,7 +57,7 @@ class VisionWriter:
         self.writer.close()
         return {"file": VISION_FILE, "format": self.fmt.name, "bytes": self.writer.bytes, "crc32": self.writer.crc32,
                 "tensors": len(self.specs), "params": sum(torch.Size(s).numel() for _, s in self.specs.values()),
-                "config": self.vision_config}
+                "config": self.vision_config, "tokens": self.tokens, "preprocessor": self.preprocessor}
 
 
 def drop_notes(names, adapter) -> list[str]:

@@ -38,7 +38,8 @@ def unwrap_config(cfg: dict, path="config.json") -> dict:
         inner.setdefault("model_type", cfg.get("model_type"))
         inner["outer_model_type"] = cfg.get("model_type")   # Kimi K3's text config says kimi_linear
         inner.setdefault("quantization_config", cfg.get("quantization_config"))
-        for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "vision_config"):
+        for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "vision_config", "image_token_id",
+                  "image_start_token_id", "image_end_token_id", "media_placeholder_token_id"):
             if k not in inner and k in cfg:
                 inner[k] = cfg[k]
         cfg = inner

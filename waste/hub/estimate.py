@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from ..errors import WasteError
 from ..runtime.plan import MemoryPlan
+from ..vision import RUNS as VISION_RUNS
 from .remote import Remote, RemoteFile
 
 _ST = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8",
@@ -32,6 +33,9 @@ class Estimate:
     experts_per_layer: list[int]
     trunk_header: dict
     trunk_entry: dict
+    vision_params: int = 0      # a tower that runs (waste.vision.RUNS): reserved in the plan's floor
+    vision_config: dict | None = None
+    preprocessor: dict | None = None
 
     def dtype(self, name: str) -> torch.dtype:
         from ..runtime.dtype import pick_dtype
@@ -40,11 +44,13 @@ class Estimate:
 
     def plan(self, dtype: str = "auto", context: int = 4096, ram: int | None = None,
              budget: int | None = None, prefill_chunk: int | None = None) -> MemoryPlan:
-        from ..runtime.plan import plan_from_sizes, resident_bytes
+        from ..runtime.plan import plan_from_sizes, resident_bytes, vision_bytes
 
         dt = self.dtype(dtype)
+        vision = vision_bytes(self.vision_params, self.vision_config, self.preprocessor, dt) if self.vision_params else 0
         return plan_from_sizes(self.cfg, self.record, self.experts_per_layer,
-                               resident_bytes(self.trunk_header, self.trunk_entry, dt), dt, context, ram, budget, prefill_chunk)
+                               resident_bytes(self.trunk_header, self.trunk_entry, dt), dt, context, ram, budget,
+                               prefill_chunk=prefill_chunk, vision=vision)
 
 
 def estimate(remote: Remote, text: list[RemoteFile], weights: list[RemoteFile], experts: str = "auto",
@@ -91,9 +97,22 @@ def estimate(remote: Remote, text: list[RemoteFile], weights: list[RemoteFile], 
     entry = {"f32_tensors": sorted(n for n, (dt, _) in specs.items() if dt == torch.float32 and n not in parts),
              "quantized": quantized}
     stored = sum(math.prod(s) * torch.empty(0, dtype=dt).element_size() for dt, s in specs.values())
-    vision = sum(ckpt.nbytes(n) for n in ckpt.weight_names() if adapter.vision_target(n) is not None)
-    return Estimate(family=adapter.family, experts=efmt.name, trunk=tfmt.name,
+    tower = [n for n in ckpt.weight_names() if adapter.vision_target(n) is not None]
+    vision = sum(ckpt.nbytes(n) for n in tower)
+    runs = {}
+    if tower and adapter.family in VISION_RUNS:
+        pre = next((f for f in text if f.path == "preprocessor_config.json"), None)
+        runs = {"vision_params": sum(math.prod(ckpt.shape(n)) for n in tower), "vision_config": hf.get("vision_config"),
+                "preprocessor": _json(remote, pre.path) if pre is not None else None}
+    return Estimate(**runs,family=adapter.family, experts=efmt.name, trunk=tfmt.name,
                     release_bytes=sum(f.size for f in text + weights),
                     container_bytes=stored + bank + vision + sum(f.size for f in text),
                     trunk_stored=stored, bank_bytes=bank, cfg=cfg, record=record,
                     experts_per_layer=[n_exp] * len(moe), trunk_header=header, trunk_entry=entry)
+
+
+def _json(remote: Remote, path: str) -> dict:
+    try:
+        return json.loads(remote.read(path))
+    except ValueError as e:
+        raise WasteError(f"{remote.repo}/{path} is not valid JSON: {e}") from None

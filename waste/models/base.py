@@ -202,7 +202,8 @@ class DecoderModel:
 
     @torch.inference_mode()
     def step(self, items: list, last_only: bool = True) -> list[torch.Tensor]:
-        """items [(ids [T], state, start)], one per sequence, each continuing its sequence of `start` tokens ->
+        """items [(ids [T], state, start[, rows])], one per sequence, each continuing its sequence of `start` tokens
+        (rows: an EmbeddedRows whose rows replace the embeddings at its positions: images) ->
         float32 logits per sequence ([1, V] with last_only, else [T, V]). The one forward of prefill and decode, of
         one request (Engine.generate) and of a batch (the server's scheduler); a sequence's logits are bit-identical
         alone or batched."""
@@ -211,7 +212,8 @@ class DecoderModel:
             if out is not None:
                 return out
         c = self.prefill_chunk
-        if c and any(ids.shape[0] > c for ids, _, _ in items):
+        # a prompt carrying image rows runs whole: its rows are spliced over its placeholders in one piece
+        if c and any(it[0].shape[0] > c for it in items) and not any(len(it) > 3 and it[3] is not None for it in items):
             return self._chunked(items, last_only, c)
         return [t if t.device.type == "cpu" else t.cpu() for t in self.step_logits(items, last_only)]  # sampling: host
 
@@ -219,15 +221,18 @@ class DecoderModel:
         """step's logits on the model's device. static: (position tensor [1], L) for a captured decode step
         (graphs.py): the family's attention reads the position from the tensor and attends over L cache rows."""
         hs, positions, scratch = [], [], []
-        for ids, _, start in items:
+        for ids, _, start, *rows in items:
             if ids.device != self.device:
                 ids = ids.to(self.device)
-            hs.append(self.stream_in(F.embedding(ids, self.embed)))
+            x = F.embedding(ids, self.embed)
+            if rows and rows[0] is not None:     # an image's rows in place of its placeholders' embeddings
+                x = rows[0].splice(x, start)
+            hs.append(self.stream_in(x))
             positions.append(torch.arange(start, start + ids.shape[0], device=self.device))
             scratch.append({"start": start} if static is None else {"start": start, "static": static})
         for i, lw in enumerate(self.layers):
             normed, ctxs = [], []
-            for j, (_, state, _) in enumerate(items):
+            for j, (_, state, *_) in enumerate(items):
                 u, ctx = self.block_in(i, "attn", hs[j])
                 with self.timer.section("attention"):
                     a, state[i] = self.attend(i, rms_norm(u, lw["input_layernorm.weight"], self.eps), state[i],
@@ -251,8 +256,8 @@ class DecoderModel:
         """step over chunks of at most c rows per sequence (chunked prefill: a chunk's activations are what the plan
         counts; one residency call per layer and chunk, so a chunk's tokens share its expert reads)."""
         outs: list[list[torch.Tensor]] = [[] for _ in items]
-        for off in range(0, max(ids.shape[0] for ids, _, _ in items), c):
-            live = [j for j, (ids, _, _) in enumerate(items) if off < ids.shape[0]]
+        for off in range(0, max(it[0].shape[0] for it in items), c):
+            live = [j for j, it in enumerate(items) if off < it[0].shape[0]]
             got = self.step([(items[j][0][off:off + c], items[j][1], items[j][2] + off) for j in live], last_only)
             for j, y in zip(live, got):
                 outs[j] = [y] if last_only else outs[j] + [y]

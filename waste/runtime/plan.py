@@ -1,7 +1,8 @@
 """The memory plan: how much of the expert bank to keep in memory (seeds 0.6.7 and 0.7.0).
 
 floor        = trunk (in the compute dtype) + KV / recurrent state for the context + scratch + the process's
-               own measured baseline
+               own measured baseline (+ the vision tower and its activations for the largest image, when the
+               container has one: loaded on the first image, then kept; reserved here so that it always fits)
 working set  = one token's expert records: top_k x record bytes x MoE layers
 bank         = every record
 usable       = the smaller of RAM and the cgroup limit (v1 or v2); ceiling = 3/4 of usable
@@ -167,6 +168,7 @@ class MemoryPlan:
     reason: str
     warning: str | None = None
     prefill_chunk: int = PREFILL_CHUNK     # rows per forward of a prefill (scratch counts their activations)
+    vision_bytes: int = 0           # the tower + its activations for the largest image (part of the floor)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -176,7 +178,8 @@ class MemoryPlan:
             f"usable memory   {fmt_gb(self.usable_bytes)} ({self.usable_source}); ceiling 3/4 = {fmt_gb(self.ceiling_bytes)}",
             f"floor           {fmt_gb(self.floor_bytes)} = trunk {fmt_gb(self.trunk_bytes)} + state for {self.context} "
             f"tokens {fmt_gb(self.state_bytes)} + scratch {fmt_gb(self.scratch_bytes)} + process baseline "
-            f"{fmt_gb(self.baseline_bytes)}",
+            f"{fmt_gb(self.baseline_bytes)}" + (f" + vision tower {fmt_gb(self.vision_bytes)} (loaded on the first "
+                                                 f"image)" if self.vision_bytes else ""),
             f"working set     {fmt_gb(self.working_set_bytes)} (one token's experts: top_k x {fmt_gb(self.record_bytes)} "
             f"per record x MoE layers)",
             f"bank            {fmt_gb(self.bank_bytes)} (every expert record)",
@@ -189,24 +192,43 @@ class MemoryPlan:
 
 def plan_memory(container: Container, dtype: torch.dtype, context: int = 4096, ram: int | None = None,
                 budget: int | None = None, experts_per_layer: list[int] | None = None, share: int = 1,
-                prefill_chunk: int | None = None, baseline: int | None = None) -> MemoryPlan:
+                prefill_chunk: int | None = None, baseline: int | None = None, vision: bool = False) -> MemoryPlan:
     """experts_per_layer: the experts this process holds per MoE layer; share: processes sharing this machine's
     memory (expert parallel: its rank's share of the experts and of the host); prefill_chunk, baseline: as
-    plan_from_sizes."""
+    plan_from_sizes; vision: the container's tower runs (waste.vision.RUNS), so the floor reserves it."""
     ex = container.manifest["experts"]
     per_layer = experts_per_layer or [i["num_experts"] for i in ex["layers"].values()]
     return plan_from_sizes(container.config, ex["record_bytes"], per_layer,
                            trunk_resident_bytes(container, dtype), dtype, context, ram, budget, share=share,
-                           prefill_chunk=prefill_chunk, baseline=baseline)
+                           prefill_chunk=prefill_chunk, baseline=baseline,
+                           vision=vision_resident_bytes(container, dtype) if vision else 0)
+
+
+def vision_resident_bytes(container: Container, dtype: torch.dtype) -> int:
+    """The vision tower in the compute dtype plus its activations for the largest image the processor makes
+    (patches x (4 x hidden + 3 x intermediate) values: the residual, q/k/v and the MLP's three); 0 without one."""
+    v = container.manifest.get("vision")
+    return vision_bytes(v["params"], v.get("config"), v.get("preprocessor"), dtype) if v else 0
+
+
+def vision_bytes(params: int, config: dict | None, preprocessor: dict | None, dtype: torch.dtype) -> int:
+    """vision_resident_bytes from the tower's parameter count, vision_config and preprocessor_config.json (also what
+    waste/hub reckons for a release before it is downloaded)."""
+    c, pre = config or {}, preprocessor or {}
+    patches = pre.get("max_image_tokens", 8000) * c.get("spatial_merge_size", 2) ** 2
+    acts = patches * (4 * c.get("hidden_size", 1024) + 3 * c.get("intermediate_size", 4096))
+    return (params + acts) * torch.empty(0, dtype=dtype).element_size()
 
 
 def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk: int, dtype: torch.dtype,
                     context: int = 4096, ram: int | None = None, budget: int | None = None,
-                    share: int = 1, prefill_chunk: int | None = None, baseline: int | None = None) -> MemoryPlan:
+                    share: int = 1, prefill_chunk: int | None = None, baseline: int | None = None,
+                    vision: int = 0) -> MemoryPlan:
     """The plan from the normalised config and sizes alone (waste/hub plans a release before downloading it).
     share: processes splitting this machine's memory (expert parallel). prefill_chunk: rows per forward of a
     prefill; None: PREFILL_CHUNK, halved while one working set does not fit. baseline: the process's own memory
-    before loading (None: measured now; `waste sweep` re-plans a loaded one)."""
+    before loading (None: measured now; `waste sweep` re-plans a loaded one). vision: the tower's bytes,
+    part of the floor."""
     if prefill_chunk is not None and prefill_chunk < 1:
         raise WasteError(f"--prefill-chunk {prefill_chunk}: give a positive number of tokens (default: the plan's)")
     moe = cfg.get("moe") or {}
@@ -229,12 +251,13 @@ def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk:
         # whole bank per chunk (128 experts, top-8: a 64-token chunk touches 98% of them), so a chunk of 512 reads
         # 8x fewer bytes per prompt token than one of 64, for one or two working sets less of decode cache
         low = min(MIN_PREFILL_CHUNK, chunk)
-        while chunk > low and trunk + st + base + scratch_bytes(cfg, context, dtype, record, chunk) + ws > ceiling:
+        while chunk > low and trunk + st + base + vision + scratch_bytes(cfg, context, dtype, record, chunk) + ws > ceiling:
             chunk //= 2
         chunk = max(chunk, low)
     scratch = scratch_bytes(cfg, context, dtype, record, chunk)
-    floor = trunk + st + scratch + base
+    floor = trunk + st + scratch + base + vision
     common = dict(usable_bytes=usable, usable_source=source, ceiling_bytes=ceiling, trunk_bytes=trunk, state_bytes=st,
+                  vision_bytes=vision,
                   scratch_bytes=scratch, baseline_bytes=base, floor_bytes=floor, record_bytes=record,
                   working_set_bytes=ws, bank_bytes=bank, context=context, prefill_chunk=chunk)
     if budget is not None:

@@ -119,7 +119,7 @@ def _server_class():
 
 def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_queue: int = 64,
           max_batch: int = 8, model_name: str | None = None, load=None, log_level: str = "info", sock=None,
-          max_body: int = MAX_BODY, grace: float = GRACE) -> None:
+          max_body: int = MAX_BODY, grace: float = GRACE, image_urls: bool = True) -> None:
     """Serve on `sock` (bound by the caller: waste/serve/listen.py) or bind host:port; load the model in the
     background (/health says 503 until it is ready), serve until interrupted or SIGTERM (which drains, see
     ServerState.drain). Raises the load error (a WasteError for a bad path or a damaged container) after the server
@@ -131,7 +131,7 @@ def serve(model=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     if sock is None:
         sock = bind(host, port)
     state = ServerState(model, api_key=api_key, max_queue=max_queue, max_batch=max_batch, model_name=model_name,
-                        load=load, max_body=max_body, grace=grace)
+                        load=load, max_body=max_body, grace=grace, image_urls=image_urls)
     app = create_app(state)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
     server = _server_class()(config)

@@ -76,7 +76,7 @@ async def tokenize(req: TokenizeRequest, state: ServerState = State):
             raise unsupported("add_generation_prompt", "only true (the prompt a reply would continue)")
         try:
             c = await run_in_threadpool(eng.chat, req.messages, tools=req.tools, stream=True,
-                                        chat_template_kwargs=req.chat_template_kwargs)
+                                        chat_template_kwargs=req.chat_template_kwargs, image_policy=state.image_policy)
         except Exception as e:
             raise from_exception(e) from None
         ids = c.prompt_ids
@@ -159,7 +159,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
     try:
         c = await run_in_threadpool(eng.chat, req.messages, tools=req.tools, max_tokens=want, stop=stop,
                                     stream=True, reasoning_effort=req.reasoning_effort,
-                                    chat_template_kwargs=kwargs or None, tool_choice=req.tool_choice, **sampling)
+                                    chat_template_kwargs=kwargs or None, tool_choice=req.tool_choice,
+                                    image_policy=state.image_policy, **sampling)
     except Exception as e:
         raise from_exception(e) from None
     c.generation.decoding.logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -155,7 +155,8 @@ class Scheduler:
         for job in jobs:
             if job.state is None:
                 job.state = self.model.take_state()
-            items.append((torch.tensor(job.next_ids), job.state, job.pos))
+            rows = job.decoding.images if job.pos == 0 else None     # a prompt's image rows (prefill only)
+            items.append((torch.tensor(job.next_ids), job.state, job.pos, rows))
         t0 = time.perf_counter()
         try:
             logits = self.model.step(items)

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..images.sources import FetchPolicy
 from .errors import APIError
 from .metrics import Metrics
 from .scheduler import Job, Scheduler
@@ -25,8 +26,9 @@ class ServerState:
 
     def __init__(self, model=None, engine=None, api_key: str | None = None, max_queue: int = 64,
                  max_batch: int = 8, model_name: str | None = None, load=None, max_body: int = MAX_BODY,
-                 grace: float = GRACE):
+                 grace: float = GRACE, image_urls: bool = True):
         self.model_arg, self.api_key, self.max_queue, self.max_batch = model, api_key, max_queue, max_batch
+        self.image_policy = FetchPolicy(allow_urls=image_urls)     # image_url parts: http(s) fetched or refused
         self.max_body, self.grace = max_body, grace
         self.live: set[Job] = set()       # jobs whose responses are not finished (the drain waits for them)
         self.draining = False
