@@ -102,8 +102,8 @@ class DecodeGraphs:
         m = self.model
         if not self.whole or len(items) != 1:
             return None
-        ids, state, start = items[0]
-        if ids.shape[0] != 1 or not self.usable():
+        ids, state, start, *rows = items[0]
+        if ids.shape[0] != 1 or (rows and rows[0] is not None) or not self.usable():
             return None
         key = m.graph_state(state, start)
         if key is None:
