@@ -108,7 +108,7 @@ def test_the_plan_counts_the_chunk_and_picks_it(releases):
     ws = 8 * record * 6
 
     def plan(ram, chunk=None):
-        return plan_from_sizes(cfg, record, experts, trunk, torch.float32, 4096, ram, None, chunk,
+        return plan_from_sizes(cfg, record, experts, trunk, torch.float32, 4096, ram, None, prefill_chunk=chunk,
                                baseline=200_000_000)      # fixed: this process's RSS moves between calls
 
     roomy = plan(64 << 30)

@@ -260,6 +260,10 @@ class Engine:
             ep, owned = expert_parallel, None
             if ep is not None:
                 owned = ep.owned(container)
+            if resolve_device(device) == "cpu":
+                from .layers.moe_cpu import warm
+
+                warm()       # the decode kernels' runtime is part of the process the plan measures
             plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
                                None if budget is None else parse_size(budget),
                                None if ep is None else [len(o) for o in owned.values()], ep.local_world if ep else 1,

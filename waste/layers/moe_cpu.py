@@ -244,3 +244,31 @@ def usable(bank) -> bool:
     if bank.fmt.kind == "q4":
         return all(set(bank.parts[m]) == {"q", "sz"} for m in ("gate", "up", "down"))
     return True
+
+
+def warm() -> None:
+    """Load (or compile, the first time on a machine) every numba kernel a CPU decode row uses, on tiny inputs of the
+    real calls' types: numba and its LLVM runtime take about 150 MB once a kernel runs, and the memory plan measures
+    the process's own memory as its baseline, so this runs before the plan does (Engine.load)."""
+    from . import attention_cpu, router_cpu
+
+    f32, i64 = np.float32, np.int64
+    h, k, inter = 64, 2, 32
+    x, slots = torch.zeros(1, h), torch.zeros(1, k, dtype=torch.int64)
+    out = np.zeros((1, k, h), f32)[0]
+    os = np.zeros((6, 2), i64)
+    ks = _kernels()
+    words = np.zeros(h * inter, np.uint16)
+    ks["bf16"](x.data_ptr(), h, slots.data_ptr(), k, words, words, words, os[:3].copy(), inter, f32(-1), out)
+    floats = np.zeros(h * inter, f32)
+    ks["f32"](x.data_ptr(), h, slots.data_ptr(), k, floats, floats, floats, os[:3].copy(), inter, f32(-1), out)
+    codes, scales = np.zeros(h * inter, np.int8), np.ones(h * inter, f32)
+    ks["q8"](x.data_ptr(), h, slots.data_ptr(), k, codes, scales, codes, scales, codes, scales, os, inter, f32(-1), out)
+    nib, sz = np.zeros(h * inter // 2, np.uint8), np.zeros(h * inter, np.uint16)
+    ks["q4"](x.data_ptr(), h, slots.data_ptr(), k, nib, sz, nib, sz, nib, sz, os, np.ones(3, i64), inter, f32(-1), out)
+    weighted_row(torch.zeros(1, k, h), torch.zeros(1, k))
+    router_cpu.softmax_topk_row(x, torch.zeros(4, h), 2, True)
+    H, G, d = 2, 1, 8
+    buf = torch.zeros(4, G, d)
+    attention_cpu.gqa_row(torch.zeros(1, (H + 2 * G) * d), H, G, torch.ones(d), torch.ones(d), 1e-6, torch.ones(d),
+                          torch.zeros(d), buf, buf.clone(), 0)

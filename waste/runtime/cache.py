@@ -294,7 +294,7 @@ class ExpertCache:
         # the union on the host, through numpy: the ids are needed there anyway (which records to read)
         on_host = [i if i.device.type == "cpu" else i.cpu() for i in idxs]
         if sum(i.numel() for i in on_host) <= 256:      # decode: tolist dispatches no torch operator (numpy(): 3)
-            union = sorted({e for i in on_host for row in i.tolist() for e in row})   # [T, k] each
+            union = sorted({e for i in on_host for e in (i.tolist() if i.dim() == 1 else sum(i.tolist(), []))})
         else:
             union = np.unique(np.concatenate([i.numpy().ravel() for i in on_host])).tolist()
         pred = self._predicted.pop(layer, None)

@@ -99,7 +99,7 @@ def run_arm(engine, arm: Arm, defaults: dict, bench_kw: dict) -> dict:
     budget = arm.budget if arm.budget is not None else defaults.get("budget")
     chunk = arm.prefill_chunk or defaults.get("prefill_chunk")
     plan = plan_memory(c, engine.dtype, defaults["context"], None, None if budget is None else parse_size(budget),
-                       chunk, baseline=engine.plan.baseline_bytes)     # the process as it was before loading
+                       prefill_chunk=chunk, baseline=engine.plan.baseline_bytes)     # the process as it was before loading
     prefetch = arm.prefetch if arm.prefetch is not None else defaults["prefetch"]
     store = ExpertCache(c, plan.budget_bytes, engine.dtype, threads=arm.threads or defaults["threads"],
                         preload=False, verify=defaults["verify"], direct=defaults["direct"],
