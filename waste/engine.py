@@ -100,6 +100,7 @@ class Decoding:
         self._hold = max((len(s) for s in self.stop), default=1) - 1   # a stop string may be forming
         self.prompt_ids: list[int] = []     # what repetition_penalty counts besides the output
         self.constraint = None              # a waste.text.grammar.Constraint, or None
+        self.stop_string: str | None = None  # the stop string that ended the text, if one did
 
     def sample(self, logits: torch.Tensor) -> int:
         raw, logits = logits, self.sampler.adjust(logits, self.prompt_ids, self.token_ids)
@@ -130,6 +131,7 @@ class Decoding:
         self.text = self.tokenizer.decode(self._body)
         cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
+            self.stop_string = next(s for s in self.stop if self.text.find(s) == cut)   # which one (Anthropic's API)
             self.text, self.finish_reason = self.text[:cut], "stop"
             return ""
         if self.constraint is not None and self.constraint.done:    # the grammar is complete: nothing may follow
