@@ -219,3 +219,61 @@ def test_n_choices_share_the_prefill_and_match_single_requests(client, qwen3, mo
     assert [text[0], text[1]] == [c.message.content for c in r.choices[:2]]
     u = chunks[-1].usage
     assert u.prompt_tokens == r.usage.prompt_tokens and 2 <= u.completion_tokens <= 24
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+def test_run_json_schema_and_penalty_flags(tmp_path):
+    from test_cli import waste as run_cli
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMA))
+    p = run_cli("run", "x = ", "--json-schema", schema, "-n", "200", "--repeat-penalty", "1.3",
+                "--presence-penalty", "0.5", check=True)
+    Person.model_validate_json(p.stdout.removeprefix("x = ").strip())
+    for args, words in ((["--json-schema", tmp_path / "none.json"], "cannot read it"),
+                        (["--repeat-penalty", "0"], "--repeat-penalty must be more than 0"),
+                        (["--frequency-penalty", "3"], "--frequency-penalty must be in [-2, 2]")):
+        p = run_cli("run", "x", *args)
+        assert p.returncode == 1 and words in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    schema.write_text('{"type": "string", "pattern": "(("}')
+    p = run_cli("run", "x", "--json-schema", schema)
+    assert p.returncode == 1 and "the JSON schema cannot be used: regex parse error" in p.stderr
+
+
+# -- a prompt that opened the reasoning ------------------------------------------------------------------------
+@needs_qwen3
+def test_reasoning_comes_first_when_the_prompt_opened_it(qwen3):
+    """The grammar lets the reasoning run free up to its close marker (here text: this vocabulary has no </think>
+    token), then holds the JSON: walked token by token along replies it must accept and ones it must refuse."""
+    from waste.text.grammar import after_reasoning, json_grammar
+
+    eng = qwen3[1]
+    tok = eng.tokenizer
+    grammar = after_reasoning(json_grammar(SCHEMA), "</think>", tok, "response_format")
+    end = tok.token_to_id("<|im_end|>")
+
+    def walk(text: str) -> bool:
+        c = eng.constraint(grammar, {end})
+        for t in tok.encode(text) + [end]:
+            if not c.allows(t):
+                return False
+            c.advance(t)
+        return True
+
+    good = '{"name": "A", "age": 3, "tags": []}'
+    assert walk('Let me think {"not": "json yet"} about it.</think>\n\n' + good)
+    assert walk("</think>" + good)
+    assert not walk("No close marker, then " + good)
+    assert not walk("thinking</think>\n\nplain text")
+    assert not walk('thinking</think>\n\n{"name": "A", "age": 300, "tags": []}')     # age past its maximum
+
+
+@needs_qwen3
+def test_completions_json_and_n(client):
+    r = client.completions.create(model="q", prompt="x = ", max_tokens=200, n=2, seed=9, temperature=1.0,
+                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "p", "schema": SCHEMA}}})
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        Person.model_validate_json(c.text)

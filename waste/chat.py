@@ -388,7 +388,7 @@ def _check_tool_choice(choice, tools):
 
 def _grammar(engine, rendered, tools, choice, json_schema) -> tuple[str | None, str]:
     """The grammar a reply must follow (None: free), and the request field it comes from."""
-    from .text.grammar import json_grammar, tool_call_grammar
+    from .text.grammar import after_reasoning, json_grammar, tool_call_grammar
 
     forced = choice == "required" or isinstance(choice, tuple)
     if forced and json_schema is not None:
@@ -397,12 +397,17 @@ def _grammar(engine, rendered, tools, choice, json_schema) -> tuple[str | None, 
     try:
         if forced:
             name = choice[1] if isinstance(choice, tuple) else None
-            return tool_call_grammar(rendered.parser.markup, tools, engine.tokenizer, name), "tool_choice"
-        if json_schema is not None:
-            return json_grammar(json_schema or None), "response_format"
+            grammar, param = tool_call_grammar(rendered.parser.markup, tools, engine.tokenizer, name), "tool_choice"
+        elif json_schema is not None:
+            grammar, param = json_grammar(json_schema or None), "response_format"
+        else:
+            return None, ""
+        p = rendered.parser
+        if p.start_in_reasoning and p.markup.think:     # the prompt opened the reasoning: it comes first, free
+            grammar = after_reasoning(grammar, p.markup.think[1], engine.tokenizer, param)
     except WasteError as e:
         raise ChatRequestError(str(e), getattr(e, "param", None)) from None
-    return None, ""
+    return grammar, param
 
 
 def _param_of(message: str, tools) -> str:

@@ -339,7 +339,10 @@ def _json_schema_file(path) -> dict:
         raise WasteError(f"--json-schema {path}: not JSON ({e})") from None
     if not isinstance(schema, dict):
         raise WasteError(f"--json-schema {path}: a JSON schema is an object, not {type(schema).__name__}")
-    json_grammar(schema)
+    try:
+        json_grammar(schema)
+    except WasteError as e:
+        raise WasteError(f"--json-schema {path}: {e}") from None
     return schema
 
 

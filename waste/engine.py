@@ -317,8 +317,6 @@ class Engine:
         json_schema: the output is JSON matching it ({} or {"type": "object"}: any object). penalties:
         presence_penalty, frequency_penalty, repetition_penalty, logit_bias ({token id: bias})."""
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if "logit_bias" in penalties:
-            penalties["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in penalties["logit_bias"].items()))
         grammar = None
         if json_schema is not None:
             from .text.grammar import json_grammar

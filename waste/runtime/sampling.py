@@ -19,7 +19,12 @@ class SamplingParams:
     presence_penalty: float = 0.0     # minus this once for every token already generated
     frequency_penalty: float = 0.0    # minus this times how often a token was generated
     repetition_penalty: float = 1.0   # a token of the prompt or the output: logit / p if positive, * p if not
-    logit_bias: tuple = ()            # ((token id, bias added to its logit), ...)
+    logit_bias: tuple = ()            # ((token id, bias added to its logit), ...); a {id: bias} dict is taken too
+
+    def __post_init__(self):
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v))
+                                                               for k, v in self.logit_bias.items())))
 
     @property
     def adjusts(self) -> bool:

@@ -311,7 +311,9 @@ def _tool_id(call_id: str) -> str:
 def anthropic_error(err) -> dict:
     kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
              413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-    return {"type": "error", "error": {"type": kinds.get(err.status, "api_error"), "message": err.message}}
+    # Anthropic's shape, plus the field named and the code as the OpenAI routes give them (clients ignore extra keys)
+    return {"type": "error", "error": {"type": kinds.get(err.status, "api_error"), "message": err.message,
+                                       "param": err.param, "code": err.code}}
 
 
 # -- the endpoints -------------------------------------------------------------------------------------------------
@@ -386,7 +388,8 @@ def reshape_errors(app) -> None:
             if not request.url.path.startswith(PATHS) or resp.status_code < 400:
                 return resp
             err = json.loads(resp.body).get("error", {})
-            body = anthropic_error(APIError(resp.status_code, err.get("message", "error")))
+            body = anthropic_error(APIError(resp.status_code, err.get("message", "error"), err.get("param"),
+                                            err.get("code")))
             headers = {k: v for k, v in resp.headers.items() if k.lower() not in ("content-length", "content-type")}
             return JSONResponse(body, status_code=resp.status_code, headers=headers)
 

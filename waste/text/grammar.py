@@ -65,14 +65,35 @@ def token_table(tokenizer, n_vocab: int, stop_ids) -> object:
 
 # -- grammars -------------------------------------------------------------------------------------------------
 def json_grammar(schema: dict | None) -> str:
-    """A JSON value matching `schema` (None: any JSON object), compact."""
+    """A JSON value matching `schema` (None: any JSON object), compact; in lark, so that it composes."""
     if schema is not None and not isinstance(schema, dict):
         raise GrammarError("the JSON schema must be an object", "response_format")
-    try:
-        return _llg().LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"},
-                                                         overrides=JSON_OPTIONS)
-    except ValueError as e:
-        raise GrammarError(f"the JSON schema cannot be used: {e}", "response_format") from None
+    schema = schema if schema else {"type": "object"}
+    grammar = f"start: body\nbody: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+    error = _llg().LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(f"the JSON schema cannot be used: {_why(error)}", "response_format")
+    return grammar
+
+
+def _why(error: str) -> str:
+    """llguidance's error without the source excerpt it appends (which repeats the whole schema)."""
+    why = " ".join(line.strip() for line in error.split("\n   1 | ")[0].splitlines() if line.strip())
+    return why.split("failed to compile JSON schema: ")[-1]
+
+
+def after_reasoning(grammar: str, close: str, tokenizer, param: str) -> str:
+    """`grammar` once the reasoning the prompt opened is closed: free text up to the close marker (a token of the
+    vocabulary, or its text), a few blanks, then the grammar."""
+    if not close:
+        raise GrammarError(f"{param}: this model's reasoning has no close marker to end it", param)
+    rules = grammar.replace("start:", "answer:", 1)
+    marker = _literal(tokenizer, close)
+    blanks = r"/[ \t\n]{0,4}/"
+    if marker.startswith("<["):     # a token: text cannot spell it, so the free text ends where it comes
+        return f"start: REASONING {marker} {blanks} answer\nREASONING: /(?s:.*)/\n{rules}"
+    # text: a lazy lexeme that ends with (and includes) the marker's text
+    return f"start: reasoning {blanks} answer\nreasoning[stop={marker}]: /(?s:.*)/\n{rules}"
 
 
 def _literal(tokenizer, text: str) -> str:
@@ -136,14 +157,16 @@ class Constraint:
 
     def __init__(self, table, grammar: str, param: str = "response_format"):
         llg = _llg()
-        self.n_vocab = table.vocab_size
+        self.n_vocab, self.eos = table.vocab_size, frozenset(table.eos_tokens)
         self.matcher = llg.LLMatcher(table, grammar, log_level=0)
         if self.matcher.is_error():
-            raise GrammarError(f"{param}: the grammar does not compile: {self.matcher.get_error()}", param)
+            raise GrammarError(f"{param}: a schema cannot be used: {_why(self.matcher.get_error())}", param)
         self._bits = torch.zeros((self.n_vocab + 31) // 32, dtype=torch.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
 
     def allows(self, token: int) -> bool:
+        if token in self.eos:           # validate_tokens never passes an end id: it is allowed where the grammar is done
+            return self.matcher.is_accepting()
         return 0 <= token < self.n_vocab and self.matcher.validate_tokens([token]) == 1
 
     def allowed(self) -> torch.Tensor:
