@@ -1,12 +1,11 @@
 """POST /v1/messages (Anthropic's Messages API) through the real `anthropic` client on the Qwen3 chat fixture: create
 and stream agree, a tool round trip (forced tool_use with a schema-valid input, then the tool_result answered),
 thinking blocks, stop sequences, both ways of sending the key, and refusals by name in Anthropic's error shape."""
-import json
 
 import anthropic
 import httpx
 import pytest
-from serve_util import QWEN3, TOOLS, ThreadServer, qwen3_container
+from serve_util import QWEN3, ThreadServer, qwen3_container
 
 import waste
 from waste.engine import Decoding
