@@ -1,6 +1,6 @@
 """GLM-5.3-Flash's vision tower at the release's size (24 blocks of 1024, merger to 1536; random bf16 weights):
 what loading it costs (read + CRC-32 check + cast, as Container.load_vision and models/vision.py do) and what one
-image costs through the processor and the tower, by image size (docs/LEARNED.md §11: loaded on the first image).
+image costs through the processor and the tower, by image size (docs/LEARNED.md §13: loaded on the first image).
 
     python benchmarks/vision_tower.py [--threads 2] [--tokens 64 256 1024]
 

@@ -155,8 +155,8 @@ def test_template_refusals_name_the_field(qwen3):
         (dict(reasoning_effort="high"), "reasoning_effort"),   # Qwen3's template has no effort setting
         (dict(chat_template_kwargs={"no_such_flag": True}), "chat_template_kwargs"),
         (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
-        (dict(tools=TOOLS, tool_choice="required"), "tool_choice"),
-        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),                   # forcing a call needs tools
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
         (dict(tools=[{"type": "function"}]), "tools"),
         (dict(max_tokens=0), "max_tokens"),
     ]

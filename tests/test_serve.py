@@ -133,11 +133,14 @@ def test_chat_logprobs(client):
 
 
 @pytest.mark.parametrize("body,status,param", [
-    ({"n": 2}, 400, "n"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400, "response_format"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),   # Qwen3's template has no such setting
-    ({"tools": TOOLS, "tool_choice": "required"}, 400, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, 400, "tool_choice"),
+    ({"n": 0}, 400, "n"),
+    ({"n": 17}, 400, "n"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}}, 400,
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, 400, "response_format"),
+    ({"tool_choice": "required"}, 400, "tool_choice"),                            # forcing a call needs tools
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
     ({"reasoning_effort": "high"}, 400, "reasoning_effort"),
     ({"chat_template_kwargs": {"no_such_flag": True}}, 400, "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]}, 400,
@@ -148,8 +151,10 @@ def test_chat_logprobs(client):
     ({"temperature": -0.5}, 400, "temperature"),
     ({"top_p": 0}, 400, "top_p"),
     ({"top_logprobs": 2}, 400, "top_logprobs"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
-    ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"stop": 5}, 400, "stop"),
     ({"model": "gpt-4o"}, 404, "model"),
 ])
@@ -175,7 +180,7 @@ def test_other_errors(http, client):
     r = http.get("/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="q", messages=HI, n=3)
+        client.chat.completions.create(model="q", messages=HI, n=0)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=HI)

@@ -267,9 +267,12 @@ class ChatCompletion:
 
 def chat(engine, messages, tools=None, max_tokens=None, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
          stop=None, stream=False, reasoning_effort=None, thinking=None, chat_template_kwargs=None,
-         tool_choice=None, image_policy=None) -> ChatCompletion:
+         tool_choice=None, image_policy=None, json_schema=None, **penalties) -> ChatCompletion:
     """Render, validate and start one reply (see Engine.chat). Every refusal is raised here, before a token
     is generated. max_tokens: None, or more than the context has left, means up to the end of the context.
+    json_schema: the reply is JSON matching it ({}: any JSON object); tool_choice "required" or
+    {"type": "function", "function": {"name": ...}}: the reply is a call in the model's tool-call markup whose
+    arguments match the tool's schema (waste/text/grammar.py). penalties: SamplingParams' penalty fields.
     image_policy: how image URLs are fetched (waste.images.sources.FetchPolicy; None: its defaults)."""
     fmt = engine.chat_format()
     images: list = []
@@ -312,9 +315,16 @@ def chat(engine, messages, tools=None, max_tokens=None, temperature=0.0, top_p=1
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
         raise ChatRequestError("stop must be a list of strings", "stop")
     n = room if max_tokens is None else min(max_tokens, room)
-    sampling = SamplingParams(temperature, top_p, top_k, min_p, seed)
-    completion = ChatCompletion(engine.generation(rendered.ids, n, sampling, stop or [], fmt.stop_ids,
-                                                  **({"images": rows} if rows is not None else {})), rendered)
+    sampling = SamplingParams(temperature, top_p, top_k, min_p, seed, **penalties)
+    grammar, param = _grammar(engine, rendered, tools, choice, json_schema)
+    generation = engine.generation(rendered.ids, n, sampling, stop or [], fmt.stop_ids,
+                                   **({"images": rows} if rows is not None else {}))
+    if grammar is not None:
+        try:
+            generation.decoding.constraint = engine.constraint(grammar, generation.decoding.stop_ids, param)
+        except WasteError as e:
+            raise ChatRequestError(str(e), getattr(e, "param", None) or param) from None
+    completion = ChatCompletion(generation, rendered)
     if not stream:
         for _ in completion:
             pass
@@ -388,10 +398,43 @@ def _check_tool_choice(choice, tools):
     if choice == "none":
         return "none"
     if choice == "required" or isinstance(choice, dict):
-        raise ChatRequestError("tool_choice: forcing a tool call (required or a named function) needs constrained "
-                               "decoding, which this engine does not have; use 'auto' or 'none'", "tool_choice")
+        if not tools:
+            raise ChatRequestError("tool_choice: forcing a call needs tools", "tool_choice")
+        if choice == "required":
+            return choice
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatRequestError("tool_choice must be {'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if fn["name"] not in {t["function"]["name"] for t in tools}:
+            raise ChatRequestError(f"tool_choice names {fn['name']!r}, which is not among the request's tools",
+                                   "tool_choice")
+        return ("function", fn["name"])
     raise ChatRequestError(f"tool_choice must be 'auto', 'none', 'required' or a function, not {choice!r}",
                            "tool_choice")
+
+
+def _grammar(engine, rendered, tools, choice, json_schema) -> tuple[str | None, str]:
+    """The grammar a reply must follow (None: free), and the request field it comes from."""
+    from .text.grammar import after_reasoning, json_grammar, tool_call_grammar
+
+    forced = choice == "required" or isinstance(choice, tuple)
+    if forced and json_schema is not None:
+        raise ChatRequestError("tool_choice: a forced tool call and a response_format schema cannot both hold",
+                               "tool_choice")
+    try:
+        if forced:
+            name = choice[1] if isinstance(choice, tuple) else None
+            grammar, param = tool_call_grammar(rendered.parser.markup, tools, engine.tokenizer, name), "tool_choice"
+        elif json_schema is not None:
+            grammar, param = json_grammar(json_schema or None), "response_format"
+        else:
+            return None, ""
+        p = rendered.parser
+        if p.start_in_reasoning and p.markup.think:     # the prompt opened the reasoning: it comes first, free
+            grammar = after_reasoning(grammar, p.markup.think[1], engine.tokenizer, param)
+    except WasteError as e:
+        raise ChatRequestError(str(e), getattr(e, "param", None)) from None
+    return grammar, param
 
 
 def _param_of(message: str, tools) -> str:

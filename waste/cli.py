@@ -14,7 +14,8 @@ from .units import fmt_bytes as _fmt_bytes
 
 # waste/params.py names a parameter as the server does; the CLI says it as its flag
 FLAGS = {"max_tokens": "-n", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
-         "seed": "--seed", "context": "--context", "threads": "--threads"}
+         "seed": "--seed", "context": "--context", "threads": "--threads", "repetition_penalty": "--repeat-penalty",
+         "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
 
 
 def check(fn, *args, **kw):
@@ -440,6 +441,8 @@ def cmd_run(a):
         raise WasteError(f"no such model: {model}. If {' '.join(a.args)!r} is the prompt, quote it: "
                          f"waste run {shlex.quote(' '.join(a.args))}")
     check_run_args(a)
+    penalties = check(params.penalties, a.presence_penalty, a.frequency_penalty, a.repeat_penalty)
+    schema = _json_schema_file(a.json_schema) if a.json_schema else None
     eng = _load(a, model)
     if eng.plan.warning:
         print(f"waste: warning: {eng.plan.warning}", file=sys.stderr)
@@ -458,7 +461,7 @@ def cmd_run(a):
         raise WasteError(f"{e.message(FLAGS.get(e.param))} ({why}): lower -n, shorten the prompt"
                          + (" or raise --context" if why == "--context" else "")) from None
     g = eng.generate(ids, max_tokens=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-                     seed=a.seed, stop=a.stop, stream=True)
+                     seed=a.seed, stop=a.stop, stream=True, json_schema=schema, **penalties)
     sys.stdout.write(prompt)
     sys.stdout.flush()
     try:
@@ -490,6 +493,27 @@ def _run_with_images(a, eng, prompt: str) -> None:
     finally:
         sys.stdout.write("\n")
         print(c.stats.line(), file=sys.stderr)
+
+
+def _json_schema_file(path) -> dict:
+    """--json-schema FILE: a JSON schema object, read and compiled before the model loads."""
+    from pathlib import Path
+
+    from .text.grammar import json_grammar
+
+    try:
+        schema = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except OSError as e:
+        raise WasteError(f"--json-schema {path}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise WasteError(f"--json-schema {path}: not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise WasteError(f"--json-schema {path}: a JSON schema is an object, not {type(schema).__name__}")
+    try:
+        json_grammar(schema)
+    except WasteError as e:
+        raise WasteError(f"--json-schema {path}: {e}") from None
+    return schema
 
 
 # ---- models from the Hub (waste/hub): MODEL may be ORG/NAME; fetch, list, rm ----
@@ -641,6 +665,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image file (repeatable): the prompt becomes one chat turn with the images before it "
                         "(a model with a vision tower)")
+    r.add_argument("--repeat-penalty", type=float, default=None, metavar="P",
+                   help="divide the logit of every token of the prompt and the output by P (times P if negative); "
+                        "1 is off (default)")
+    r.add_argument("--presence-penalty", type=float, default=None, metavar="P", help="-2 to 2 (default 0)")
+    r.add_argument("--frequency-penalty", type=float, default=None, metavar="P", help="-2 to 2 (default 0)")
+    r.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the output is JSON matching the schema in FILE (constrained decoding)")
     _engine_args(r)
     r.set_defaults(fn=cmd_run)
 

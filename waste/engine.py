@@ -101,9 +101,21 @@ class Decoding:
         self._shown = 0                     # characters of text already handed out
         self._hold = max((len(s) for s in self.stop), default=1) - 1   # a stop string may be forming
         self.images = None                  # the prompt's image rows (models.vision.EmbeddedRows), spliced at prefill
+        self.prompt_ids: list[int] = []     # what repetition_penalty counts besides the output
+        self.constraint = None              # a waste.text.grammar.Constraint, or None
+        self.stop_string: str | None = None  # the stop string that ended the text, if one did
 
     def sample(self, logits: torch.Tensor) -> int:
+        raw, logits = logits, self.sampler.adjust(logits, self.prompt_ids, self.token_ids)
         tok = self.sampler(logits)
+        c = self.constraint
+        if c is not None:
+            if not c.allows(tok):       # the grammar refuses the unconstrained draw: draw again from what it allows
+                masked = c.mask(logits)
+                tok = self.sampler(masked) if bool(torch.isfinite(masked).any()) else next(iter(self.stop_ids), tok)
+            if tok not in self.stop_ids or c.allows(tok):
+                c.advance(tok)
+        logits = raw
         self.token_ids.append(tok)
         if self.logprobs is not None:
             lp = torch.log_softmax(logits.float(), dim=-1)
@@ -122,7 +134,11 @@ class Decoding:
         self.text = self.tokenizer.decode(self._body)
         cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
+            self.stop_string = next(s for s in self.stop if self.text.find(s) == cut)   # which one (Anthropic's API)
             self.text, self.finish_reason = self.text[:cut], "stop"
+            return ""
+        if self.constraint is not None and self.constraint.done:    # the grammar is complete: nothing may follow
+            self.finish_reason = "stop"
             return ""
         if len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
@@ -156,6 +172,7 @@ class Generation:
         self.decoding = Decoding(engine.tokenizer, max_tokens, sampling, stop, set(engine.eos_ids) | set(stop_ids),
                                  logprobs)
         self.decoding.images = images
+        self.decoding.prompt_ids = prompt_ids
         self.token_ids: list[int] = self.decoding.token_ids
         self.text = ""
         self.finish_reason: str | None = None
@@ -297,17 +314,40 @@ class Engine:
         return self.tokenizer.encode(text)
 
     def generation(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop: list[str],
-                   stop_ids=(), logprobs: int | None = None, images=None) -> Generation:
+                   stop_ids=(), logprobs: int | None = None, images=None,
+                   grammar: str | None = None) -> Generation:
         """A request not started yet: iterating it generates (what generate() and chat() hand out). images: the
-        rows that replace the prompt's image placeholders (Vision.expand)."""
-        return Generation(self, prompt_ids, max_tokens, sampling, stop, stop_ids, logprobs, images)
+        rows that replace the prompt's image placeholders (Vision.expand). grammar: an llguidance grammar
+        (waste/text/grammar.py) the output must follow."""
+        g = Generation(self, prompt_ids, max_tokens, sampling, stop, stop_ids, logprobs, images)
+        if grammar is not None:
+            g.decoding.constraint = self.constraint(grammar, g.decoding.stop_ids)
+        return g
+
+    def constraint(self, grammar: str, stop_ids, param: str = "response_format"):
+        """A fresh Constraint for one sequence; the vocabulary's table is built once per set of end ids."""
+        from .text.grammar import Constraint, token_table
+
+        key = frozenset(stop_ids)
+        tables = self.__dict__.setdefault("_grammar_tables", {})
+        if key not in tables:
+            tables[key] = token_table(self.tokenizer, int(self.container.config["vocab_size"]), key)
+        return Constraint(tables[key], grammar, param)
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
-                 stream: bool = False):
-        """stream=True: a Generation to iterate for text deltas. stream=False: the finished Generation."""
+                 stream: bool = False, json_schema: dict | None = None, **penalties):
+        """stream=True: a Generation to iterate for text deltas. stream=False: the finished Generation.
+        json_schema: the output is JSON matching it ({} or {"type": "object"}: any object). penalties:
+        presence_penalty, frequency_penalty, repetition_penalty, logit_bias ({token id: bias})."""
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        g = self.generation(ids, max_tokens, SamplingParams(temperature, top_p, top_k, min_p, seed), stop or [])
+        grammar = None
+        if json_schema is not None:
+            from .text.grammar import json_grammar
+
+            grammar = json_grammar(json_schema or None)
+        g = self.generation(ids, max_tokens, SamplingParams(temperature, top_p, top_k, min_p, seed, **penalties),
+                            stop or [], grammar=grammar)
         if not stream:
             for _ in g:
                 pass
@@ -317,7 +357,7 @@ class Engine:
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
              stop: list[str] | None = None, stream: bool = False, reasoning_effort: str | None = None,
              thinking: bool | None = None, chat_template_kwargs: dict | None = None, tool_choice=None,
-             image_policy=None):
+             image_policy=None, json_schema: dict | None = None, **penalties):
         """A chat turn through the container's chat format (waste/chat.py): stream=True gives a ChatCompletion to
         iterate for Content / Reasoning / ToolCall events; stream=False the finished one (content,
         reasoning_content, tool_calls, finish_reason, usage). Raises UnsupportedChatFormat or ChatRequestError.
@@ -328,7 +368,7 @@ class Engine:
         return chat(self, messages, tools=tools, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                     top_k=top_k, min_p=min_p, seed=seed, stop=stop, stream=stream, reasoning_effort=reasoning_effort,
                     thinking=thinking, chat_template_kwargs=chat_template_kwargs, tool_choice=tool_choice,
-                    image_policy=image_policy)
+                    image_policy=image_policy, json_schema=json_schema, **penalties)
 
     def chat_format(self):
         """The container's chat format (waste/chat.py), loaded once; raises UnsupportedChatFormat, the same one

@@ -51,6 +51,33 @@ def sampling(temperature, top_p, top_k=0, min_p=0.0, seed=None) -> dict:
                 seed=seed)
 
 
+def penalties(presence=None, frequency=None, repetition=None, logit_bias=None, vocab: int | None = None) -> dict:
+    """presence_penalty and frequency_penalty in [-2, 2] (OpenAI's range), repetition_penalty more than 0 (1 is
+    off), logit_bias {token id: bias in [-100, 100]} with ids in the vocabulary: SamplingParams' penalty fields."""
+    out = {}
+    for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if v is not None:
+            if not -2 <= _number(v, name) <= 2:
+                raise ParamError(name, "must be in [-2, 2]")
+            out[name] = float(v)
+    if repetition is not None:
+        if not _number(repetition, "repetition_penalty") > 0:
+            raise ParamError("repetition_penalty", "must be more than 0 (1 is off)")
+        out["repetition_penalty"] = float(repetition)
+    if logit_bias:
+        bias = []
+        for k, v in logit_bias.items():
+            tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+            if isinstance(tid, bool) or not isinstance(tid, int) or (vocab is not None and not 0 <= tid < vocab):
+                raise ParamError("logit_bias", f"key {k!r} is not a token id of this model's vocabulary"
+                                               + (f" (0 to {vocab - 1})" if vocab else ""))
+            if not -100 <= _number(v, "logit_bias") <= 100:
+                raise ParamError("logit_bias", f"value for token {k} must be in [-100, 100]")
+            bias.append((tid, float(v)))
+        out["logit_bias"] = tuple(sorted(bias))
+    return out
+
+
 def max_tokens(v, param: str = "max_tokens") -> int | None:
     if v is not None and _integer(v, param) < 1:
         raise ParamError(param, "must be a positive integer")

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..version import __version__
 from .errors import APIError, bad_request, from_exception
 from .middleware import APIKeyAuth, CountRequests, RefuseLarge, ReleaseAfterLarge
+from . import anthropic
 from .routes import router
 from .state import GRACE, MAX_BODY, ServerState
 
@@ -50,6 +51,7 @@ def create_app(state: ServerState) -> FastAPI:
                   openapi_url=None)
     app.state.waste = state
     app.include_router(router)
+    app.include_router(anthropic.router)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -88,6 +90,7 @@ def create_app(state: ServerState) -> FastAPI:
         log.exception("unhandled error")
         return from_exception(e).response()
 
+    anthropic.reshape_errors(app)         # Anthropic's error shape on its own routes
     app.add_middleware(ReleaseAfterLarge)
     if state.api_key:
         app.add_middleware(APIKeyAuth, key=state.api_key)

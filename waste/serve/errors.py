@@ -44,6 +44,7 @@ def from_exception(e: BaseException) -> APIError:
     from ..chat import ChatRequestError, UnsupportedChatFormat
     from ..errors import WasteError
     from ..text.errors import TextError
+    from ..text.grammar import GrammarError
 
     if isinstance(e, APIError):
         return e
@@ -52,6 +53,8 @@ def from_exception(e: BaseException) -> APIError:
     if isinstance(e, ChatRequestError):
         code = "context_length_exceeded" if "the context is" in str(e) else e.code
         return APIError(400, str(e), e.param, code)
+    if isinstance(e, GrammarError):
+        return APIError(400, str(e), e.param, e.code)
     if isinstance(e, TextError):
         return APIError(400, str(e), "messages", "invalid_request")
     if isinstance(e, WasteError):

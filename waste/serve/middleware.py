@@ -13,21 +13,24 @@ from .errors import APIError
 from .metrics import Metrics
 
 ENDPOINTS = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-             "/metrics")
+             "/metrics", "/v1/messages")
 KEYED = ("/v1", "/tokenize", "/detokenize")   # behind --api-key: everything but /health and /metrics
 TRIM_AFTER = 1 << 20       # a body this large is followed by giving freed memory back to the system
 
 
 class APIKeyAuth:
-    """/v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` (compared in constant time); /health and
-    /metrics stay open."""
+    """/v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` or `x-api-key: KEY` (compared in constant
+    time); /health and /metrics stay open."""
 
     def __init__(self, app, key: str):
         self.app, self.digest = app, hashlib.sha256(key.encode()).digest()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(KEYED) and scope["method"] != "OPTIONS":
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not auth and b"x-api-key" in headers:    # Anthropic's clients and agents send the key so
+                auth = "Bearer " + headers[b"x-api-key"].decode("latin-1")
             scheme, _, token = auth.strip().partition(" ")
             given = hashlib.sha256(token.strip().encode()).digest()
             if scheme.lower() != "bearer" or not secrets.compare_digest(given, self.digest):

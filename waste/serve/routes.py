@@ -11,8 +11,10 @@ from .. import params
 from ..runtime.sampling import SamplingParams
 from .errors import APIError, bad_request, from_exception, unsupported
 from .metrics import MEDIA_TYPE
+from ..text.grammar import json_grammar
 from .schemas import (MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                      TokenizeRequest, common_checks, max_tokens_of, param_errors, sampling_args, stop_list)
+                      TokenizeRequest, choice_seeds, common_checks, max_tokens_of, param_errors, sampling_args,
+                      stop_list)
 from .shapes import ChatChunks, CompletionChunks
 from .state import RETRY_AFTER, ServerState
 from .stream import Stream
@@ -110,28 +112,28 @@ async def completions(req: CompletionRequest, request: Request, state: ServerSta
         raise unsupported("suffix", "fill-in-the-middle is not supported")
     if req.best_of not in (None, 1):
         raise unsupported("best_of", "only 1 is supported")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise unsupported("response_format", "structured output needs constrained decoding, which this engine "
-                          "does not have (and a completion has no chat template to ask for JSON)")
+    schema = json_schema_of(req.response_format)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be 0 to {MAX_TOP_LOGPROBS}", "logprobs")
     want = max_tokens_of(req, "max_tokens")
-    sampling = sampling_args(req, state.defaults)
+    choices = choice_seeds(req, sampling_args(req, state.defaults, eng.tokenizer.vocab_size))
     ids = await _prompt_ids(eng, req.prompt, state.context)
     with param_errors():
         room = params.room(len(ids), None, state.context)
     try:
-        gen = eng.generation(ids, room if want is None else min(want, room), SamplingParams(**sampling),
-                             stop_list(req.stop), logprobs=req.logprobs)
+        grammar = None if schema is None else json_grammar(schema or None)
+        gens = [eng.generation(ids, room if want is None else min(want, room), SamplingParams(**sampling),
+                               stop_list(req.stop), logprobs=req.logprobs, grammar=grammar) for sampling in choices]
     except Exception as e:
         raise from_exception(e) from None
     stream = Stream(state, request, "cmpl", "text_completion",
                      bool(req.stream_options and req.stream_options.include_usage))
-    job = await stream.submit(ids, gen.decoding)
+    job = await stream.submit(ids, *(g.decoding for g in gens))
     tok = eng.tokenizer
+    shapers = [CompletionChunks(stream, tok, req.logprobs, i) for i in range(len(gens))]
     if req.stream:
-        return await stream.respond(job, CompletionChunks(stream, tok, req.logprobs))
-    return await stream.collect(job, CompletionChunks(stream, tok, req.logprobs))
+        return await stream.respond(job, *shapers)
+    return await stream.collect(job, *shapers)
 
 
 @router.post("/v1/chat/completions")
@@ -144,33 +146,38 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         raise no_chat(state)
     eng = state.engine
     kwargs = dict(req.chat_template_kwargs or {})
-    _response_format(req.response_format, eng, kwargs)
-    if req.parallel_tool_calls is False:
-        raise unsupported("parallel_tool_calls", "false cannot be enforced without constrained decoding; "
-                          "leave it out (the model decides)")
+    schema = _response_format(req.response_format, eng, kwargs)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
     want = max_tokens_of(req, "max_completion_tokens", "max_tokens")
-    sampling = sampling_args(req, state.defaults)
+    choices = choice_seeds(req, sampling_args(req, state.defaults, eng.tokenizer.vocab_size))
     stop = stop_list(req.stop)
+    tool_choice = req.tool_choice
+    if req.parallel_tool_calls is False and tool_choice == "required" and len(req.tools or []) == 1:
+        tool_choice = {"type": "function", "function": {"name": req.tools[0]["function"]["name"]}}
+    elif req.parallel_tool_calls is False and not isinstance(tool_choice, dict) and tool_choice != "none":
+        raise unsupported("parallel_tool_calls", "false is enforced only with a forced call of one function "
+                          "(tool_choice naming it)")
     try:
-        c = await run_in_threadpool(eng.chat, req.messages, tools=req.tools, max_tokens=want, stop=stop,
-                                    stream=True, reasoning_effort=req.reasoning_effort,
-                                    chat_template_kwargs=kwargs or None, tool_choice=req.tool_choice,
-                                    image_policy=state.image_policy, **sampling)
+        cs = [await run_in_threadpool(eng.chat, req.messages, tools=req.tools, max_tokens=want, stop=stop,
+                                      stream=True, reasoning_effort=req.reasoning_effort,
+                                      chat_template_kwargs=kwargs or None, tool_choice=tool_choice,
+                                      image_policy=state.image_policy, json_schema=schema, **sampling)
+              for sampling in choices]
     except Exception as e:
         raise from_exception(e) from None
-    c.generation.decoding.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    for c in cs:
+        c.generation.decoding.logprobs = (req.top_logprobs or 0) if req.logprobs else None
     stream = Stream(state, request, "chatcmpl", "chat.completion",
                      bool(req.stream_options and req.stream_options.include_usage))
-    job = await stream.submit(c.prompt_ids, c.generation.decoding)
-    shaper = ChatChunks(stream, eng.tokenizer, c.rendered.parser, bool(req.logprobs))
+    job = await stream.submit(cs[0].prompt_ids, *(c.generation.decoding for c in cs))
+    shapers = [ChatChunks(stream, eng.tokenizer, c.rendered.parser, bool(req.logprobs), i) for i, c in enumerate(cs)]
     if req.stream:
-        return await stream.respond(job, shaper)
-    return await stream.collect(job, shaper)
+        return await stream.respond(job, *shapers)
+    return await stream.collect(job, *shapers)
 
 
 def no_chat(state: ServerState) -> APIError:
@@ -179,27 +186,40 @@ def no_chat(state: ServerState) -> APIError:
                     extra={"reasons": list(state.chat_reasons)})
 
 
-def _response_format(rf, engine, kwargs: dict) -> None:
-    """text: nothing to do. json_object: handed to a chat template that reads `response_format` (it asks the
-    model for JSON); refused where the template has no such setting. json_schema: needs constrained decoding."""
+def json_schema_of(rf) -> dict | None:
+    """response_format -> the JSON schema the output must match ({}: any JSON object), or None (free text).
+    json_schema takes OpenAI's {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; both JSON
+    kinds are enforced by the grammar (waste/text/grammar.py) on every model."""
     if rf is None:
-        return
+        return None
     kind = rf.get("type")
     if kind in (None, "text"):
-        return
-    if kind == "json_schema":
-        raise unsupported("response_format", "json_schema needs constrained decoding, which this engine does not "
-                          "have yet")
-    if kind != "json_object":
+        return None
+    if kind == "json_object":
+        return {}
+    if kind != "json_schema":
         raise bad_request(f"response_format.type must be text, json_object or json_schema, not {kind!r}",
                           "response_format")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("name", ""), str):
+        raise bad_request("response_format.json_schema must be an object with a name and a schema",
+                          "response_format.json_schema")
+    schema = js.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                          "response_format.json_schema.schema")
+    return schema or {"type": "object"}
 
-    fmt = engine.chat_format()
-    template = getattr(fmt, "template", None)
-    if template is None or "response_format" not in template.variables:
-        raise unsupported("response_format", "json_object: this model's chat format has no response_format "
-                          "setting, and without constrained decoding the engine cannot enforce JSON")
-    kwargs["response_format"] = {"type": "json_object"}
+
+def _response_format(rf, engine, kwargs: dict) -> dict | None:
+    """The schema the reply must match (None: free). A chat template that reads `response_format` is also handed
+    it, so that it can ask the model for JSON in its own words."""
+    schema = json_schema_of(rf)
+    if schema is not None:
+        template = getattr(engine.chat_format(), "template", None)
+        if template is not None and "response_format" in template.variables:
+            kwargs["response_format"] = dict(rf)
+    return schema
 
 
 async def _encode(engine, text: str, context: int | None = None) -> list[int]:

@@ -59,6 +59,8 @@ class Job:
         self.state = None            # the model's per-layer state, made when the request starts
         self.pos = 0                 # tokens the state holds
         self.next_ids: list[int] = self.prompt_ids
+        self.leader: Job | None = None  # n > 1: the request's first choice, whose prefill this one shares
+        self.group: list | None = None   # [choices still running, the leader's state] (set by share_prefill)
         self.submitted = time.monotonic()
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
@@ -69,6 +71,16 @@ class Job:
     @property
     def completion_tokens(self) -> int:
         return len(self.decoding.token_ids)
+
+
+def share_prefill(jobs: list[Job]) -> None:
+    """Choices of one request (n > 1): the first one's prefill serves them all when they start in the same step.
+    The others branch its state (the layers' caches copy on their first divergent append, layers/rows.py), and it
+    goes back to the model's pool only once every choice has ended (a branch may still read its rows)."""
+    group = [len(jobs), None]
+    for j in jobs:
+        j.group = group
+        j.leader = jobs[0] if j is not jobs[0] else None
 
 
 def batch_limit(engine, wanted: int) -> int:
@@ -151,12 +163,16 @@ class Scheduler:
         jobs = list(self.running)
         if not jobs:
             return
-        items = []
+        items, branches = [], {}
         for job in jobs:
+            if job.state is None and job.leader in jobs and job.leader.pos == 0:
+                branches.setdefault(job.leader, []).append(job)      # starts from its leader's prefill
+                continue
             if job.state is None:
                 job.state = self.model.take_state()
             rows = job.decoding.images if job.pos == 0 else None     # a prompt's image rows (prefill only)
             items.append((torch.tensor(job.next_ids), job.state, job.pos, rows))
+        jobs = [j for j in jobs if not any(j in b for b in branches.values())]
         t0 = time.perf_counter()
         try:
             logits = self.model.step(items)
@@ -169,7 +185,10 @@ class Scheduler:
         self.batch_sizes[len(jobs)] = self.batch_sizes.get(len(jobs), 0) + 1
         prefill = sum(len(j.next_ids) for j in jobs if j.pos == 0)
         for job, lg in zip(jobs, logits):
-            self._advance(job, lg[-1])
+            for b in branches.get(job, ()):
+                b.state = list(job.state)
+            for b in [job, *branches.get(job, ())]:
+                self._advance(b, lg[-1])
         if self.metrics is not None:
             self.metrics.step(len(jobs), prefill, dt)
 
@@ -198,7 +217,13 @@ class Scheduler:
     def _end(self, job: Job, reason: str | None, error: BaseException | None = None) -> None:
         if job in self.running:
             self.running.remove(job)
-        if job.state is not None:   # the KV / recurrent state goes back to the model's pool for the next request
+        if job.group is not None:   # a choice of n: the leader's state waits for every branch of it to end
+            if job.leader is None and job.state is not None:
+                job.group[1] = job.state
+            job.group[0] -= 1
+            if job.group[0] == 0 and job.group[1] is not None:
+                self.model.give_state(job.group[1])
+        elif job.state is not None:  # the KV / recurrent state goes back to the model's pool for the next request
             self.model.give_state(job.state)
         job.state = None
         job.finished_at = time.monotonic()

@@ -18,6 +18,7 @@ log = logging.getLogger("waste.serve")
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
+MAX_N = 16                 # choices per request (n)
 
 
 class _Body(BaseModel):
@@ -88,14 +89,27 @@ class DetokenizeRequest(_Body):
 
 
 # -- checks shared by both generation endpoints ------------------------------------------------------------
-def sampling_args(req: _Generate, defaults: dict) -> dict:
-    """temperature / top_p / top_k / min_p / seed, range-checked, with the model's generation_config defaults."""
+def sampling_args(req: _Generate, defaults: dict, vocab: int | None = None) -> dict:
+    """temperature / top_p / top_k / min_p / seed and the penalties / logit_bias, range-checked, with the model's
+    generation_config defaults."""
     t = defaults.get("temperature", 1.0) if req.temperature is None else req.temperature
     p = defaults.get("top_p", 1.0) if req.top_p is None else req.top_p
     k = defaults.get("top_k", 0) if req.top_k is None else req.top_k
     m = defaults.get("min_p", 0.0) if req.min_p is None else req.min_p
     with param_errors():
-        return params.sampling(t, p, k, m, req.seed)
+        return {**params.sampling(t, p, k, m, req.seed),
+                **params.penalties(req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
+                                   req.logit_bias, vocab)}
+
+
+def choice_seeds(req: _Generate, sampling: dict) -> list[dict]:
+    """The sampling arguments of each of the request's n choices: choice i draws with seed + i (a seed makes
+    every choice reproducible, and no two alike)."""
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be 1 to {MAX_N}", "n")
+    n, seed = req.n or 1, sampling.get("seed")
+    return [{**sampling, "seed": None if seed is None else (seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63}
+            for i in range(n)]
 
 
 class param_errors:
@@ -114,15 +128,6 @@ def common_checks(req: _Generate) -> None:
     """What both endpoints refuse by name."""
     for name in req.unknown_fields():
         log.warning("ignoring unknown request field %r", name)
-    if req.n is not None and req.n != 1:
-        raise unsupported("n", "only n=1 is supported (one choice per request); send several requests instead")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise unsupported(name, "penalties are not implemented by this engine; leave it 0")
-    if req.repetition_penalty not in (None, 1.0):
-        raise unsupported("repetition_penalty", "penalties are not implemented by this engine; leave it 1")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "not implemented by this engine")
     so = req.stream_options
     if so is not None:
         if not req.stream:

@@ -14,16 +14,18 @@ def sse(obj) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-def usage(done: Done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+def usage(done: Done, *more: Done) -> dict:
+    """A request's usage; with n > 1 choices, the prompt counted once and every choice's completion."""
+    completion = done.completion_tokens + sum(d.completion_tokens for d in more)
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": done.prompt_tokens + completion}
 
 
 class ChatChunks:
     """Scheduler events -> chat.completion(.chunk) bodies: the parser splits content, reasoning and tool calls."""
 
-    def __init__(self, stream, tokenizer, parser, logprobs: bool):
-        self.s, self.tok, self.parser, self.want_lp = stream, tokenizer, parser, logprobs
+    def __init__(self, stream, tokenizer, parser, logprobs: bool, index: int = 0):
+        self.s, self.tok, self.parser, self.want_lp, self.index = stream, tokenizer, parser, logprobs, index
         self.events: list = []
         self.lps: list = []          # logprob entries not yet sent (streaming)
 
@@ -64,7 +66,7 @@ class ChatChunks:
         if calls:
             msg["tool_calls"] = calls
         logprobs = {"content": self.lps, "refusal": None} if self.want_lp else None
-        return {"choices": [{"index": 0, "message": msg, "logprobs": logprobs,
+        return {"choices": [{"index": self.index, "message": msg, "logprobs": logprobs,
                              "finish_reason": self._finish_reason(done)}], "usage": usage(done)}
 
     # streaming
@@ -73,7 +75,7 @@ class ChatChunks:
         if self.want_lp and with_lp:
             lp, self.lps = {"content": self.lps, "refusal": None}, []
         body = {**self.s.base(), "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+                "choices": [{"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
         if self.s.include_usage:
             body["usage"] = None
         return sse(body)
@@ -109,8 +111,8 @@ class CompletionChunks:
     """Scheduler events -> text_completion bodies; logprobs in the legacy shape (tokens, token_logprobs,
     top_logprobs, text_offset)."""
 
-    def __init__(self, stream, tokenizer, logprobs: int | None):
-        self.s, self.tok, self.want_lp = stream, tokenizer, logprobs
+    def __init__(self, stream, tokenizer, logprobs: int | None, index: int = 0):
+        self.s, self.tok, self.want_lp, self.index = stream, tokenizer, logprobs, index
         self.text = ""
         self.lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self._offset = 0
@@ -136,11 +138,11 @@ class CompletionChunks:
         return None
 
     def whole(self, done: Done) -> dict:
-        return {"choices": [{"index": 0, "text": self.text, "logprobs": self.lp if self.want_lp is not None else None,
+        return {"choices": [{"index": self.index, "text": self.text, "logprobs": self.lp if self.want_lp is not None else None,
                              "finish_reason": done.finish_reason}], "usage": usage(done)}
 
     def _chunk(self, text: str, finish=None, lp=None) -> str:
-        body = {**self.s.base(), "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+        body = {**self.s.base(), "choices": [{"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}]}
         if self.s.include_usage:
             body["usage"] = None
         return sse(body)
