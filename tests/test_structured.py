@@ -20,7 +20,9 @@ needs_qwen3 = pytest.mark.skipif(not QWEN3.is_file(), reason=f"{QWEN3} is absent
 
 
 class Person(pydantic.BaseModel):
-    # bounded: a random-weight model inside a free string may never close it
+    # bounded: a random-weight model inside a free string may never close it, nor stop inventing keys a schema
+    # without additionalProperties: false allows (which of its trajectories ends in time is chance)
+    model_config = pydantic.ConfigDict(extra="forbid")
     name: str = pydantic.Field(max_length=12)
     age: int = pydantic.Field(ge=0, le=150)
     tags: list[Annotated[str, pydantic.StringConstraints(max_length=8)]] = pydantic.Field(max_length=3)
@@ -143,7 +145,12 @@ def test_parse_with_a_pydantic_model(client):
     assert isinstance(final.choices[0].message.parsed, Person)
     r = client.chat.completions.create(model="q", messages=ASK, response_format={"type": "json_object"},
                                        max_tokens=300, temperature=0)
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    c = r.choices[0]
+    # any JSON object: a random-weight model's greedy string may never close (whether it does is chance), so the
+    # reply is held to be an object's start, and a whole object when it stops
+    assert c.message.content.startswith("{"), c.message.content
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict)
 
 
 WEATHER = TOOLS + [{"type": "function", "function": {"name": "add", "parameters": {
@@ -198,7 +205,7 @@ def test_n_choices_share_the_prefill_and_match_single_requests(client, qwen3, mo
     real = type(eng.model).step
 
     def step(self, items, *a, **k):
-        prefills.extend(len(ids) for ids, _, start in items if start == 0)
+        prefills.extend(len(it[0]) for it in items if it[2] == 0)
         return real(self, items, *a, **k)
 
     monkeypatch.setattr(type(eng.model), "step", step)
