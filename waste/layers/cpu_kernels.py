@@ -153,30 +153,31 @@ def norm_rope(src, w, use_norm, eps, cos, sin, rot, dst, tmp):   # dst = rope(no
     for i in range(rot, d):            # partial rotary: the rest of the head passes through
         dst[i] = tmp[i]
 
-@numba.njit(fastmath=True, cache=True)
+
+@numba.njit(fastmath=True, cache=True, parallel=True)
 def gqa_row(qkv_p, H, G, d, rot, qn_p, kn_p, use_norm, eps, cos_p, sin_p, k_p, v_p, cap, n, out):
     qkv = at(qkv_p, (H + 2 * G, d), f32)
     qn, kn = at(qn_p, (d,), f32), at(kn_p, (d,), f32)
     cos, sin = at(cos_p, (d,), f32), at(sin_p, (d,), f32)
     K, V = at(k_p, (cap, G, d), f32), at(v_p, (cap, G, d), f32)
-    tmp, q = np.empty(d, np.float32), np.empty(d, np.float32)
+    tmp = np.empty(d, np.float32)
     for g in range(G):
         norm_rope(qkv[H + g], kn, use_norm, eps, cos, sin, rot, K[n, g], tmp)
         src, dst = qkv[H + G + g], V[n, g]
         for i in range(d):
             dst[i] = src[i]
     scale = np.float32(1.0) / np.sqrt(np.float32(d))
-    scores = np.empty(n + 1, np.float32)
     rep = H // G
-    for h in range(H):
-        norm_rope(qkv[h], qn, use_norm, eps, cos, sin, rot, q, tmp)
+    for h in numba.prange(H):              # heads spread over the threads: each head is one thread's, same bits
+        hq, htmp, scores = np.empty(d, np.float32), np.empty(d, np.float32), np.empty(n + 1, np.float32)
+        norm_rope(qkv[h], qn, use_norm, eps, cos, sin, rot, hq, htmp)
         g = h // rep
         m = -np.inf
         for t in range(n + 1):
             kt = K[t, g]
             s = np.float32(0.0)
             for i in range(d):
-                s += q[i] * kt[i]
+                s += hq[i] * kt[i]
             s *= scale
             scores[t] = s
             m = max(m, s)

@@ -91,8 +91,8 @@ def mv_q4(q, o, sz, zo, G, x, y, acc):  # quant/intq.py Q4: nibbles in int4pack'
         q4_block(q, o, szs, G, N, K, b, x, y, acc)
 
 
-@numba.njit(fastmath=True, cache=True, parallel=True)
-def q4_row(x_p, q_p, sz_p, N, K, G, y):          # y [N] = W x for one row x [K]; blocks spread over the threads
+@numba.njit(fastmath=True, inline="always")
+def q4_row_body(x_p, q_p, sz_p, N, K, G, y):     # y [N] = W x for one row x [K], block by block
     x = at(x_p, (K,), np.float32)
     q, szs = at(q_p, (N * K // 2,), np.uint8), at(sz_p, (G * N * 2,), np.uint16)
     for b in numba.prange((N + BLOCK - 1) // BLOCK):
@@ -100,18 +100,41 @@ def q4_row(x_p, q_p, sz_p, N, K, G, y):          # y [N] = W x for one row x [K]
         q4_block(q, 0, szs, G, N, K, b, x, y, acc)
 
 
-def usable(x: torch.Tensor, parts: dict) -> bool:
-    """One float32 row on the CPU, over nibbles in the stored layout (intq.Q4.linear says when they are)."""
-    return (x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
-            and parts["q"].is_contiguous() and parts["sz"].is_contiguous())
+@numba.njit(fastmath=True, cache=True, parallel=True)
+def q4_row(x_p, q_p, sz_p, N, K, G, y):          # blocks spread over the threads
+    q4_row_body(x_p, q_p, sz_p, N, K, G, y)
+
+
+@numba.njit(fastmath=True, cache=True)
+def q4_row_serial(x_p, q_p, sz_p, N, K, G, y):   # the same blocks in order: below PARALLEL_MIN a launch costs more
+    q4_row_body(x_p, q_p, sz_p, N, K, G, y)
+
+
+# below this many weights (32 KB of nibbles) a matrix runs on one thread: a parallel launch costs a few us
+PARALLEL_MIN = 1 << 16
+
+
+class RowKernel:
+    """x [1, K] float32 @ W.T -> [1, N] float32 for one q4 matrix (stored layout), its arguments bound once, in
+    float32 throughout: torch's int4 kernel takes x as bf16, two casts beside it, ~10 us of dispatch at a row."""
+
+    def __init__(self, parts: dict, shape):
+        N, K = shape
+        self.parts, self.N = parts, N             # the parts stay referenced: the kernel reads their memory
+        self.args = (parts["q"].data_ptr(), parts["sz"].data_ptr(), N, K, parts["sz"].shape[0])
+        self.parallel = N * K >= PARALLEL_MIN
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.is_contiguous() else x.contiguous()
+        out = np.empty((1, self.N), np.float32)
+        if self.parallel:
+            follow_torch_threads()
+            q4_row(x.data_ptr(), *self.args, out[0])
+        else:
+            q4_row_serial(x.data_ptr(), *self.args, out[0])
+        return torch.from_numpy(out)
 
 
 def row(x: torch.Tensor, parts: dict, shape) -> torch.Tensor:
-    """x [1, K] float32 @ W.T -> [1, N] float32, W the q4 matrix of `parts` (stored layout), in float32 throughout:
-    torch's int4 kernel takes x as bf16 plus two casts and costs ~10 us of dispatch at a decode row."""
-    N, K = shape
-    x = x if x.is_contiguous() else x.contiguous()
-    out = np.empty((1, N), np.float32)
-    follow_torch_threads()
-    q4_row(x.data_ptr(), parts["q"].data_ptr(), parts["sz"].data_ptr(), N, K, parts["sz"].shape[0], out[0])
-    return torch.from_numpy(out)
+    """RowKernel made and called once (tests, warm-up)."""
+    return RowKernel(parts, shape)(x)
