@@ -98,6 +98,75 @@ def greedy_pair(hf, engine, ids: torch.Tensor, n: int = 32) -> tuple[list[int], 
     return ref, greedy(engine, ids.tolist(), n)
 
 
+def mtp_layer(src: Path, n_layers: int, extra: tuple = (), config: dict | None = None) -> None:
+    """What DeepSeek's and GLM's releases carry after the last decoder layer: the MTP module at
+    model.layers.{n_layers} (a copy of the last layer plus `extra` (name, shape) tensors of ones); `config` merged
+    into config.json."""
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(src / "model.safetensors"))
+    last = f"model.layers.{n_layers - 1}."
+    for k in [k for k in t if k.startswith(last)]:
+        t[k.replace(last, f"model.layers.{n_layers}.")] = t[k].clone()
+    for name, shape in extra:
+        t[f"model.layers.{n_layers}.{name}"] = torch.ones(shape)
+    save_file(t, str(src / "model.safetensors"))
+    if config:
+        import json
+
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, **config}))
+
+
+def converted(root: Path, hf, src: Path, name: str, **fmt) -> dict:
+    """An oracle test's fixture: the release at src converted (bf16 experts and trunk unless `fmt` says) and
+    loaded in float32 beside its transformers model; the caller closes d["eng"]."""
+    import waste
+    from waste.convert.convert import convert
+
+    kw = {"experts": "bf16", "trunk": "bf16", **fmt}
+    out = convert(src, root / f"{name}.waste", progress=False, **kw)
+    return {"hf": hf, "src": src, "out": out, "eng": waste.load(out, dtype="float32"), "root": root}
+
+
+def hf_routes(model, ids: torch.Tensor, router: str = "gate"):
+    """transformers' all-position logits and the experts each MoE layer's router (`mlp.<router>`) chose."""
+    routes, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, router):
+            hooks.append(getattr(layer.mlp, router).register_forward_hook(
+                lambda mod, inp, out, i=i: routes.__setitem__(i, out[2].clone())))
+    return hooked_logits(model, ids, hooks), routes
+
+
+def check_logits_and_routes(hf, model, ids: torch.Tensor, bound: float, moe_layers, name: str,
+                            router: str = "gate") -> float:
+    """All-position logits within `bound` relative L2 of transformers', the same experts on every MoE layer (exactly
+    `moe_layers`) and token. Returns the error."""
+    ref, ref_routes = hf_routes(hf, ids, router)
+    logits, ours = routed_forward(model, ids)
+    err = rel_l2(logits, ref)
+    print(f"{name} logits rel L2 {err:.2e}")
+    assert err < bound
+    assert sorted(ours) == list(moe_layers)
+    assert_same_routes(ours, ref_routes)
+    return err
+
+
+def check_split(model, ids: torch.Tensor, n_decode: int, bound: float, name: str) -> None:
+    """A prefill then n_decode single-token steps equal one forward: within `bound`, the same argmax everywhere."""
+    split, full = split_and_whole(model, ids, n_decode)
+    print(f"{name} split {rel_l2(split, full):.2e}")
+    assert rel_l2(split, full) < bound
+    assert torch.equal(split.argmax(-1), full.argmax(-1))
+
+
+def check_greedy(hf, engine, ids: torch.Tensor) -> None:
+    """32 greedy tokens identical to transformers'."""
+    ref, got = greedy_pair(hf, engine, ids)
+    assert got == ref and len(ref) == 32
+
+
 def hooked_logits(hf, ids: torch.Tensor, hooks: list) -> torch.Tensor:
     """The transformers model's all-position logits, run with its hooks in place, which are removed afterwards."""
     try:
