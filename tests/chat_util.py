@@ -108,3 +108,59 @@ def assert_tool_call_route(url: str, model: str, reasoning: str, content: str, a
     assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == args
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
     return client, m
+
+
+def chat_tool_call_round(eng, monkeypatch, ids, **kw):
+    """Engine.chat on ASK with TOOLS, the model's output forced to `ids` (junk after them, which an end id must
+    cut): the reasoning "The user wants the weather.", the content "Checking." and one get_weather call
+    {"city": "Paris", "days": 3}. Returns the conversation with the call and a result after it, and that
+    conversation as the engine's chat format renders it."""
+    force_generation(monkeypatch, ids + eng.tokenizer.encode(" junk"))
+    c = eng.chat(ASK, tools=TOOLS, max_tokens=200, **kw)
+    assert c.reasoning_content == "The user wants the weather." and c.content == "Checking."
+    assert c.finish_reason == "tool_calls" and len(c.tool_calls) == 1
+    call = c.tool_calls[0]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    history = [*ASK, c.message(), {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
+    return history, eng.chat_format().render(history, tools=TOOLS).text
+
+
+CALLED = {"role": "assistant", "content": "Checking.", "tool_calls": [
+    {"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]}
+# conversations a template with thinking and tools is checked on against transformers' rendering
+TEMPLATE_CASES = {
+    "one_turn": dict(messages=ASK),
+    "multi_turn": dict(messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+                                 {"role": "assistant", "content": "Hello!", "reasoning_content": "greet back"},
+                                 {"role": "user", "content": "2+2?"}]),
+    "tools": dict(messages=ASK, tools=TOOLS),
+    "tool_result": dict(messages=[*ASK, CALLED, {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}],
+                        tools=TOOLS),
+    "thinking_off": dict(messages=ASK, thinking=False),
+}
+
+
+def assert_renders_as_transformers(eng, src, name: str) -> list[int]:
+    """TEMPLATE_CASES[name] through the engine's chat format and through transformers' apply_chat_template on the
+    release at `src` (its own template and tokenizer): the same text and the same ids. Returns the ids."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from waste.chat import load_chat_format
+
+    case = copy.deepcopy(TEMPLATE_CASES[name])
+    ours = load_chat_format(eng.container, eng.tokenizer).render(copy.deepcopy(case["messages"]),
+                                                                tools=case.get("tools"), thinking=case.get("thinking"))
+    hf = AutoTokenizer.from_pretrained(str(src))
+    extra = {"enable_thinking": case["thinking"]} if "thinking" in case else {}
+    for m in case["messages"]:          # what transformers' callers hand it: dict arguments
+        for c in m.get("tool_calls") or []:
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    kw = dict(tools=case.get("tools"), add_generation_prompt=True, **extra)
+    want = hf.apply_chat_template(case["messages"], tokenize=True, **kw)
+    assert ours.text == hf.apply_chat_template(case["messages"], tokenize=False, **kw)
+    assert ours.ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+    return ours.ids

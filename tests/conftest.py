@@ -25,9 +25,9 @@ def releases(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen3_served(releases, tmp_path_factory):
+def qwen3(releases, tmp_path_factory):
     """Per module: the Qwen3-MoE release with Qwen3's own template (serve_util.qwen3_container), loaded and served
-    on a uvicorn thread: (ThreadServer, Engine). A skip when the template is absent."""
+    on a uvicorn thread: (ThreadServer, Engine). A skip when the template is absent. (test_chat.py has its own.)"""
     from serve_util import QWEN3, ThreadServer, qwen3_container
 
     import waste

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import chat_util
-from chat_util import ASK, TOOLS, assert_tool_call_route, force_generation, waste_chat_session
+from chat_util import ASK, TOOLS, assert_tool_call_route, chat_tool_call_round, force_generation, waste_chat_session
 from serve_util import ThreadServer
 from test_oracle_gpt_oss import gpt_oss_model
 
@@ -115,17 +115,9 @@ def test_template_renders_and_stops(oss):
 
 def test_engine_chat_reasoning_tool_call_and_result_round_trip(oss, monkeypatch):
     tok = oss.tokenizer
-    force_generation(monkeypatch, ids_of(tok, CALL) + tok.encode(" junk"))
-    c = oss.chat(ASK, tools=TOOLS, max_tokens=200)
-    assert c.reasoning_content == "The user wants the weather." and c.content == "Checking."
-    assert c.finish_reason == "tool_calls" and len(c.tool_calls) == 1
-    call = c.tool_calls[0]
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    history, text = chat_tool_call_round(oss, monkeypatch, ids_of(tok, CALL))
     # the call, its reasoning (as the template's `thinking`) and the result go back in harmony
     # (the template takes reasoning or content beside a call, not both: the preamble is left out)
-    history = [*ASK, c.message(), {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
-    text = oss.chat_format().render(history, tools=TOOLS).text
     assert ("<|start|>assistant<|channel|>analysis<|message|>The user wants the weather.<|end|>"
             '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
             '{"city": "Paris", "days": 3}<|call|>') in text

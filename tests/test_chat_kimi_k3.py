@@ -13,7 +13,7 @@ import tiktoken
 import torch
 import chat_util
 from k3_release import train_ranks, write_k3_tokenizer, write_release
-from chat_util import ASK, TOOLS, assert_tool_call_route, force_generation, waste_chat_session
+from chat_util import ASK, TOOLS, assert_tool_call_route, chat_tool_call_round, force_generation, waste_chat_session
 from serve_util import ThreadServer
 
 import waste
@@ -95,16 +95,8 @@ def test_thinking_and_its_effort_reach_the_template(k3):
 def test_engine_chat_reasoning_tool_call_and_result_round_trip(k3, monkeypatch):
     eng, _ = k3
     tok = eng.tokenizer
-    force_generation(monkeypatch, ids_of(tok, CALL) + tok.encode(" junk"))
-    c = eng.chat(ASK, tools=TOOLS, reasoning_effort="high", max_tokens=200)
-    assert c.reasoning_content == "The user wants the weather." and c.content == "Checking."
-    assert c.finish_reason == "tool_calls" and len(c.tool_calls) == 1
-    call = c.tool_calls[0]
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    history, text = chat_tool_call_round(eng, monkeypatch, ids_of(tok, CALL), reasoning_effort="high")
     # the call and its result go back through the template as XTML
-    history = [*ASK, c.message(), {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
-    text = eng.chat_format().render(history, tools=TOOLS).text
     assert ('<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris'
             '<|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
             '<|close|>call<|sep|>') in text

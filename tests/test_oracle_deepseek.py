@@ -10,7 +10,7 @@ sys.modules.setdefault("fla", None)
 
 import pytest
 import torch
-from fixtures import (_randomise, check_greedy, check_logits_and_routes, check_split, converted, mtp_layer, prompt,
+from fixtures import (check_greedy, check_logits_and_routes, check_split, converted, mtp_layer, oracle_model, prompt,
                       rel_l2, save_release)
 from safetensors.torch import load_file, save_file
 
@@ -24,7 +24,7 @@ N_LAYERS = 4
 
 
 def deepseek_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import DeepseekV3Config
 
     kw = dict(vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
@@ -33,10 +33,7 @@ def deepseek_model(seed=0, **over):
               rope_parameters=dict(YARN), max_position_embeddings=256, routed_scaling_factor=2.5,
               rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=0, tie_word_embeddings=False)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(DeepseekV3Config(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(DeepseekV3Config(**kw), seed)
     return m
 
 

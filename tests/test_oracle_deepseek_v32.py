@@ -5,9 +5,7 @@ first qk_rope_head_dim index channels, ReLU scores weighted per head, the index_
 is 16 here, so prompts past 16 tokens take the sparse branch. Then chat through DeepSeek-V3.2's template
 (tests/data/templates, SOURCES.md): rendering as transformers renders it, reasoning and the DSML tool calls parsed on
 the engine, the server and `waste chat`."""
-import copy
 import json
-import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,12 +14,12 @@ sys.modules.setdefault("fla", None)
 
 import pytest
 import torch
-from chat_util import ASK, TOOLS, assert_tool_call_route, force_generation, force_sampler, waste_chat_session
-from fixtures import (TOKENIZER_TEXT, _randomise, check_greedy, check_logits_and_routes, check_split, converted,
-                      mtp_layer, prompt, rel_l2)
+from chat_util import (ASK, TEMPLATE_CASES, TOOLS, assert_renders_as_transformers, assert_tool_call_route,
+                       force_generation, force_sampler, waste_chat_session)
+from fixtures import (chat_release, check_greedy, check_logits_and_routes, check_split, converted, mtp_layer,
+                      oracle_model, prompt, rel_l2)
 from serve_util import ThreadServer
 
-from waste.convert.synthetic import write_tokenizer
 from waste.errors import WasteError
 
 TEMPLATE = Path(__file__).resolve().parent / "data" / "templates" / "DeepSeek-V3.2.jinja"
@@ -33,7 +31,7 @@ SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<�
 
 
 def v32_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, DeepseekV32Config
+    from transformers import DeepseekV32Config
 
     kw = dict(vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
@@ -43,26 +41,17 @@ def v32_model(seed=0, **over):
               max_position_embeddings=2048, routed_scaling_factor=2.5, rms_norm_eps=1e-6, pad_token_id=0,
               bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(DeepseekV32Config(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(DeepseekV32Config(**kw), seed)
     return m
 
 
 def v32_release(dst: Path, seed=0, **over):
-    dst.mkdir(parents=True)
-    write_tokenizer(dst, TOKENIZER_TEXT, vocab_size=300, specials=SPECIALS)
-    tc = json.loads((dst / "tokenizer_config.json").read_text())
-    tc.update(bos_token=SPECIALS[0], eos_token=SPECIALS[1])
-    (dst / "tokenizer_config.json").write_text(json.dumps(tc))
     m = v32_model(seed, **over)
-    m.save_pretrained(dst)
+    assert chat_release(dst, m, SPECIALS, TEMPLATE, bos_token=SPECIALS[0], eos_token=SPECIALS[1]) == \
+        {t: i for i, t in enumerate(SPECIALS)}
     mtp_layer(dst, N_LAYERS, (("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
                               ("shared_head.norm.weight", (64,)), ("shared_head.head.weight", (384, 64))),
               {"num_nextn_predict_layers": 1})
-    if TEMPLATE.is_file():
-        shutil.copy(TEMPLATE, dst / "chat_template.jinja")
     return m, dst
 
 
@@ -188,7 +177,8 @@ def test_index_scores_and_selection_match_transformers(v32):
     for layer in range(N_LAYERS):
         ours, theirs = trace[layer].scores, scores[layer]
         err = rel_l2(ours[vis], theirs[vis])
-        assert err < 1e-5, (layer, err)          # measured 1.6e-7
+        print(f"layer {layer}: index scores rel L2 {err:.2e}")
+        assert err < 1e-5, (layer, err)
         assert bool((theirs[~vis] < -1e30).all())          # the causal mask, added as float32 min
         for t in range(48):
             mine = set(trace[layer].keep[t].nonzero().squeeze(1).tolist())
@@ -252,19 +242,6 @@ def test_waste_info_names_the_features(v32, capsys):
 
 # -- chat: DeepSeek-V3.2's template -------------------------------------------------------------------------------
 needs_template = pytest.mark.skipif(not TEMPLATE.is_file(), reason=f"{TEMPLATE} is absent")
-CALLED = {"role": "assistant", "content": "Checking.", "tool_calls": [
-    {"id": "call_1", "type": "function",
-     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]}
-CASES = {
-    "one_turn": dict(messages=ASK),
-    "multi_turn": dict(messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-                                 {"role": "assistant", "content": "Hello!", "reasoning_content": "greet back"},
-                                 {"role": "user", "content": "2+2?"}]),
-    "tools": dict(messages=ASK, tools=TOOLS),
-    "tool_result": dict(messages=[*ASK, CALLED, {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}],
-                        tools=TOOLS),
-    "thinking_off": dict(messages=ASK, thinking=False),
-}
 # a reply as the template has V3.2 write one (the prompt opened <think>): reasoning, text, one DSML call, eos
 REPLY = ('The user wants the weather.</think>Checking.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
          '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
@@ -273,25 +250,10 @@ REPLY = ('The user wants the weather.</think>Checking.\n\n<｜DSML｜function_ca
 
 
 @needs_template
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", TEMPLATE_CASES)
 def test_template_renders_as_transformers_does(v32, name):
-    from transformers import AutoTokenizer
-
-    from waste.chat import load_chat_format
-
-    eng, case = v32["eng"], copy.deepcopy(CASES[name])
-    ours = load_chat_format(eng.container, eng.tokenizer).render(copy.deepcopy(case["messages"]),
-                                                                tools=case.get("tools"), thinking=case.get("thinking"))
-    hf = AutoTokenizer.from_pretrained(str(v32["src"]))
-    extra = {"enable_thinking": case["thinking"]} if "thinking" in case else {}
-    for m in case["messages"]:          # what transformers' callers hand it: dict arguments
-        for c in m.get("tool_calls") or []:
-            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
-    kw = dict(tools=case.get("tools"), add_generation_prompt=True, **extra)
-    want = hf.apply_chat_template(case["messages"], tokenize=True, **kw)
-    assert ours.text == hf.apply_chat_template(case["messages"], tokenize=False, **kw)
-    assert ours.ids == list(want["input_ids"] if hasattr(want, "keys") else want)
-    assert ours.ids[0] == 0
+    ids = assert_renders_as_transformers(v32["eng"], v32["src"], name)
+    assert ids[0] == 0          # the template writes the release's bos, id 0
 
 
 @needs_template

@@ -4,9 +4,7 @@ sigmoid router with correction bias and routed scaling, a shared expert; the rel
 out with a note). Then chat through GLM-4.6's template (tests/data/templates, SOURCES.md): rendering as transformers
 renders it, reasoning and GLM's <arg_key> / <arg_value> tool calls parsed on the engine, the server and
 `waste chat`."""
-import copy
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -15,14 +13,13 @@ sys.modules.setdefault("fla", None)
 import openai
 import pytest
 import torch
-from chat_util import ASK, TOOLS, force_sampler, waste_chat_session
-from fixtures import (TOKENIZER_TEXT, _randomise, check_greedy, check_logits_and_routes, check_split, converted,
-                      mtp_layer, prompt, rel_l2)
+from chat_util import ASK, TEMPLATE_CASES, TOOLS, assert_renders_as_transformers, force_sampler, waste_chat_session
+from fixtures import (chat_release, check_greedy, check_logits_and_routes, check_split, converted, mtp_layer,
+                      oracle_model, prompt, rel_l2)
 from serve_util import ThreadServer
 
 import waste
 from waste.convert.convert import convert
-from waste.convert.synthetic import write_tokenizer
 from waste.errors import WasteError
 
 TEMPLATE = Path(__file__).resolve().parent / "data" / "templates" / "GLM-4.6.jinja"
@@ -33,7 +30,7 @@ EOS = [0, 4, 6]      # <|endoftext|>, <|user|>, <|observation|>: the release's e
 
 
 def glm4_moe_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, Glm4MoeConfig
+    from transformers import Glm4MoeConfig
 
     kw = dict(vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -44,25 +41,16 @@ def glm4_moe_model(seed=0, **over):
               max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=EOS,
               pad_token_id=0, tie_word_embeddings=False)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(Glm4MoeConfig(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(Glm4MoeConfig(**kw), seed)
     return m
 
 
 def glm4_release(dst: Path, seed=0, **over):
-    dst.mkdir(parents=True)
-    write_tokenizer(dst, TOKENIZER_TEXT, vocab_size=300, specials=SPECIALS)
-    tc = json.loads((dst / "tokenizer_config.json").read_text())
-    ids = {v["content"]: int(k) for k, v in tc["added_tokens_decoder"].items()}
-    assert [ids[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")] == EOS
     m = glm4_moe_model(seed, **over)
-    m.save_pretrained(dst)
+    ids = chat_release(dst, m, SPECIALS, TEMPLATE)
+    assert [ids[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")] == EOS
     mtp_layer(dst, N_LAYERS, (("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
                               ("shared_head.norm.weight", (64,))))
-    if TEMPLATE.is_file():
-        shutil.copy(TEMPLATE, dst / "chat_template.jinja")
     return m, dst
 
 
@@ -151,43 +139,15 @@ def test_waste_info_names_the_features(glm, capsys):
 
 # -- chat: GLM-4.6's template ----------------------------------------------------------------------------------
 needs_template = pytest.mark.skipif(not TEMPLATE.is_file(), reason=f"{TEMPLATE} is absent")
-CALLED = {"role": "assistant", "content": "Checking.", "tool_calls": [
-    {"id": "call_1", "type": "function",
-     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]}
-CASES = {
-    "one_turn": dict(messages=ASK),
-    "multi_turn": dict(messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-                                 {"role": "assistant", "content": "Hello!", "reasoning_content": "greet back"},
-                                 {"role": "user", "content": "2+2?"}]),
-    "tools": dict(messages=ASK, tools=TOOLS),
-    "tool_result": dict(messages=[*ASK, CALLED, {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}],
-                        tools=TOOLS),
-    "thinking_off": dict(messages=ASK, thinking=False),
-}
 # a reply as GLM-4.6 writes one: reasoning, text, one call with GLM's key / value pairs, then <|observation|>
 REPLY = ("\n<think>The user wants the weather.</think>\nChecking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
          "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>")
 
 
 @needs_template
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", TEMPLATE_CASES)
 def test_template_renders_as_transformers_does(glm, name):
-    from transformers import AutoTokenizer
-
-    from waste.chat import load_chat_format
-
-    eng, case = glm["eng"], copy.deepcopy(CASES[name])
-    ours = load_chat_format(eng.container, eng.tokenizer).render(copy.deepcopy(case["messages"]),
-                                                                tools=case.get("tools"), thinking=case.get("thinking"))
-    hf = AutoTokenizer.from_pretrained(str(glm["src"]))
-    extra = {"enable_thinking": case["thinking"]} if "thinking" in case else {}
-    for m in case["messages"]:          # what transformers' callers hand it: dict arguments
-        for c in m.get("tool_calls") or []:
-            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
-    kw = dict(tools=case.get("tools"), add_generation_prompt=True, **extra)
-    want = hf.apply_chat_template(case["messages"], tokenize=True, **kw)
-    assert ours.text == hf.apply_chat_template(case["messages"], tokenize=False, **kw)
-    assert ours.ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert_renders_as_transformers(glm["eng"], glm["src"], name)
 
 
 @needs_template

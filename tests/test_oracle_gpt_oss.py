@@ -11,7 +11,7 @@ sys.modules.setdefault("fla", None)
 
 import pytest
 import torch
-from fixtures import (_randomise, check_greedy, check_logits_and_routes, check_split, prompt, rel_l2, save_release,
+from fixtures import (check_greedy, check_logits_and_routes, check_split, oracle_model, prompt, rel_l2, save_release,
                       split_and_whole)
 from safetensors.torch import load_file, save_file
 
@@ -26,17 +26,14 @@ KEEP_FLOAT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.em
 
 
 def gpt_oss_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, GptOssConfig
+    from transformers import GptOssConfig
 
     kw = dict(vocab_size=384, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
               max_position_embeddings=256, rope_parameters=dict(ROPE), swiglu_limit=7.0, swiglu_alpha=1.702,
               eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(GptOssConfig(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(GptOssConfig(**kw), seed)
     return m
 
 

@@ -3,7 +3,6 @@ own save_pretrained (the release's layout: `block_sparse_moe.experts.N.w1|w2|w3`
 prefill + decode, greedy text; then chat through the release's template (tests/data/templates, SOURCES.md) on the
 engine, the server and `waste chat`."""
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -11,12 +10,10 @@ sys.modules.setdefault("fla", None)
 
 import openai
 import pytest
-import torch
 from chat_util import force_sampler, waste_chat_session
-from fixtures import TOKENIZER_TEXT, _randomise, check_greedy, check_logits_and_routes, check_split, converted, prompt
+from fixtures import chat_release, check_greedy, check_logits_and_routes, check_split, converted, oracle_model, prompt
 from serve_util import ThreadServer
 
-from waste.convert.synthetic import write_tokenizer
 from waste.errors import WasteError
 
 TEMPLATE = Path(__file__).resolve().parent / "data" / "templates" / "mistralai-Mixtral-8x7B-Instruct-v0.1.jinja"
@@ -27,7 +24,7 @@ BOS, EOS = 1, 0           # <s> and </s> as write_tokenizer numbers them below (
 
 
 def mixtral_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, MixtralConfig
+    from transformers import MixtralConfig
 
     kw = dict(vocab_size=384, hidden_size=64, intermediate_size=48, num_hidden_layers=N_LAYERS,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
@@ -35,25 +32,15 @@ def mixtral_model(seed=0, **over):
               rms_norm_eps=1e-5, sliding_window=None, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None,
               tie_word_embeddings=False)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(MixtralConfig(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(MixtralConfig(**kw), seed)
     return m
 
 
 def mixtral_release(dst: Path, seed=0, **over) -> tuple:
     """(transformers model, release dir): the weights and config by save_pretrained, a byte-level tokenizer with
     Mixtral's <s> / </s>, and the release's chat template."""
-    dst.mkdir(parents=True)
-    write_tokenizer(dst, TOKENIZER_TEXT, vocab_size=300, specials=["</s>", "<s>"])
-    tc = json.loads((dst / "tokenizer_config.json").read_text())
-    assert {v["content"]: int(k) for k, v in tc["added_tokens_decoder"].items()} == {"<s>": BOS, "</s>": EOS}
-    (dst / "tokenizer_config.json").write_text(json.dumps({**tc, "bos_token": "<s>"}))
     m = mixtral_model(seed, **over)
-    m.save_pretrained(dst)
-    if TEMPLATE.is_file():
-        shutil.copy(TEMPLATE, dst / "chat_template.jinja")
+    assert chat_release(dst, m, ["</s>", "<s>"], TEMPLATE, bos_token="<s>") == {"<s>": BOS, "</s>": EOS}
     return m, dst
 
 

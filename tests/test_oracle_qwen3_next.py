@@ -9,14 +9,14 @@ sys.modules.setdefault("fla", None)
 
 import pytest
 import torch
-from fixtures import (VOCAB, _randomise, check_greedy, check_logits_and_routes, check_split, converted, prompt,
+from fixtures import (VOCAB, check_greedy, check_logits_and_routes, check_split, converted, oracle_model, prompt,
                       save_release)
 from safetensors.torch import load_file, save_file
 
 
 
 def qwen3_next_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    from transformers import Qwen3NextConfig
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -26,10 +26,7 @@ def qwen3_next_model(seed=0, **over):
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
               tie_word_embeddings=False, eos_token_id=0, pad_token_id=0, bos_token_id=None)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(Qwen3NextConfig(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(Qwen3NextConfig(**kw), seed)
     with torch.no_grad():       # decays in a range a trained model has (A_log randomised near 1 decays fast)
         g = torch.Generator().manual_seed(seed + 1)
         for layer in m.model.layers:

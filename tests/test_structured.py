@@ -113,11 +113,6 @@ def test_penalties_match_transformers_logits_processors():
 
 # -- the server, through the openai client --------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def qwen3(qwen3_served):
-    return qwen3_served
-
-
-@pytest.fixture(scope="module")
 def client(qwen3):
     return openai.OpenAI(base_url=qwen3[0].url + "/v1", api_key="anything", max_retries=0, timeout=120)
 
