@@ -148,9 +148,15 @@ def index_scores(x: Tensor, c_q: Tensor, pools: Tensor, w: dict[str, Tensor], cf
     if cfg.rope is not None:
         q = _rotate(q, q[:, 0], cfg, positions)[0]
     cd = torch.promote_types(x.dtype, torch.float32)
-    s = F.relu(torch.einsum("thd,pd->thp", q.to(cd), pools.to(cd)) * cfg.head_dim ** -0.5)
     wts = _linear(x, w["indexer.weights_proj.weight"]).to(cd) * cfg.n_heads ** -0.5
-    return torch.einsum("th,thp->tp", wts, s)
+    # heads in blocks, so the [T, heads, N] intermediate stays near 2^26 values (V3.2: 64 heads, N = every token)
+    hb = max(1, min(cfg.n_heads, (1 << 26) // max(1, T * pools.shape[0])))
+    out = None
+    for h in range(0, cfg.n_heads, hb):
+        s = F.relu(torch.einsum("thd,pd->thp", q[:, h:h + hb].to(cd), pools.to(cd)) * cfg.head_dim ** -0.5)
+        part = torch.einsum("th,thp->tp", wts[:, h:h + hb], s)
+        out = part if out is None else out + part
+    return out
 
 
 @dataclass
