@@ -69,11 +69,11 @@ class Vision:
                              f"<|media_pad|> ({ids[2]}) nor its {PLACEHOLDER['kimi_k3']} ({self.token_id})")
         return ids
 
-    def _tokens(self, image, n: int) -> tuple[list[int], list[int]]:
+    def _tokens(self, image, n: int, markers) -> tuple[list[int], list[int]]:
         """(the ids that replace one image's placeholder, the offsets among them that take its n rows)."""
-        if self.container.family != "kimi_k3":
+        if markers is None:
             return [self.token_id] * n, list(range(n))
-        begin, content, pad, end = self._k3_ids()
+        begin, content, pad, end = markers
         w, h = image.size
         head = [begin, *self.tokenizer.encode(f"image {w}x{h}"), content]
         return head + [pad] * n + [end], list(range(len(head), len(head) + n))
@@ -102,13 +102,14 @@ class Vision:
         if len(found) != len(images):
             raise WasteError(f"the chat format placed {len(found)} image placeholders for {len(images)} images (a "
                              "template that writes images as text cannot show them to the model)")
+        markers = self._k3_ids() if self.container.family == "kimi_k3" else None
         done = [proc(img) for img in images]
         rows = self.tower()(torch.cat([p for p, _ in done]), [g for _, g in done])
         counts = [proc.tokens(g) for _, g in done]
         out, at, last = [], [], 0
         for pos, n, img in zip(found, counts, images):
             out += ids[last:pos]
-            toks, rows_at = self._tokens(img, n)
+            toks, rows_at = self._tokens(img, n, markers)
             at += [len(out) + i for i in rows_at]
             out += toks
             last = pos + 1

@@ -71,12 +71,6 @@ class KimiK3ImageProcessor:
     def tokens(self, grid: tuple[int, int]) -> int:
         return grid[0] * grid[1] // (self.merge_kernel_size[0] * self.merge_kernel_size[1])
 
-    def max_patches(self) -> int:
-        """An upper bound of one image's patches: the limit, plus a padding row and column of merge blocks."""
-        mh, mw = self.merge_kernel_size
-        side = self.patch_limit_on_one_side
-        return self.in_patch_limit + (mh + mw) * (side + max(mh, mw))
-
     # -- pixels ----------------------------------------------------------------------------------------
     def _fill(self, image):
         """Transparency onto the configured background (the release's rule: alpha-weighted, truncated to 8 bits)."""
