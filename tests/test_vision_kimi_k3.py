@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-from argparse import Namespace
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ PIL = pytest.importorskip("PIL.Image")
 from fixtures import rel_l2  # noqa: E402
 from k3_release import VISION, train_ranks, write_k3_tokenizer, write_release  # noqa: E402
 from test_chat_kimi_k3 import CORPUS, TEMPLATE  # noqa: E402
+from test_vision_glm5 import _huge_png, ask, png  # noqa: E402
 
 import waste  # noqa: E402
 from waste.chat import ChatRequestError  # noqa: E402
@@ -57,21 +57,6 @@ def picture(w, h, mode="RGB", seed=0):
         img = img.convert("RGB").quantize(16)
         img.info["transparency"] = 3
     return img
-
-
-def png(img) -> bytes:
-    b = io.BytesIO()
-    img.save(b, "PNG")
-    return b.getvalue()
-
-
-def data_url(img) -> str:
-    return "data:image/png;base64," + base64.b64encode(png(img)).decode()
-
-
-def ask(text, *imgs):
-    return [{"role": "user", "content": [{"type": "text", "text": text}]
-             + [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in imgs]}]
 
 
 def cli(*args, timeout=300):
@@ -200,12 +185,6 @@ def test_engine_chat_with_image_bytes_equals_a_data_url(rel):
     assert c.usage["completion_tokens"] >= 1
 
 
-def _huge_png() -> bytes:
-    b = io.BytesIO()
-    PIL.new("1", (10000, 10000)).save(b, "PNG")        # 100 megapixels, a few kilobytes
-    return b.getvalue()
-
-
 @pytest.mark.parametrize("data,words", [(b"this is text, not a picture", "not an image"),
                                         ("truncated", "cannot be decoded"), ("huge", "megapixels")])
 def test_bad_images_get_one_clear_error(rel, data, words):
@@ -264,7 +243,7 @@ def test_server_takes_image_parts(rel):
 
 def test_run_with_an_image_and_the_chat_command(rel, capsys):
     from waste.chat_cli import Session
-    from waste.cli import main
+    from waste.cli import build_parser, main
 
     img = png(picture(120, 90, seed=5))
     (rel["root"] / "pic.png").write_bytes(img)
@@ -279,9 +258,8 @@ def test_run_with_an_image_and_the_chat_command(rel, capsys):
     assert main(["run", str(rel["out"]), "--image", str(rel["root"] / "text.png"), "hi", "-n", "2"]) == 1
     assert "not an image" in capsys.readouterr().err
     out, err = io.StringIO(), io.StringIO()
-    args = Namespace(system=None, tools=None, n=6, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
-                     stop=[], no_thinking=False, reasoning_effort=None, hide_reasoning=False)
-    s = Session(rel["eng"], args, out, err)
+    s = Session(rel["eng"], build_parser().parse_args(["chat", str(rel["out"]), "-n", "6", "--temperature", "0"]),
+                out, err)
     s.command(f"/image {rel['root'] / 'pic.png'}")
     assert "image attached (120x90)" in err.getvalue()
     s.turn("what is this?")
