@@ -114,6 +114,29 @@ def test_tower_matches_mlx_vlm(rel):
     assert len(rel["eng"].vision.tower().w) == len(VISION)
 
 
+def test_bf16_tower_rounds_like_mlx_vlm_bf16(rel):
+    """In bfloat16 (--dtype auto above 2 GiB) the tower's distance from the float32 rows is mlx-vlm's own."""
+    from mlx_vlm.utils import load_model
+
+    pv, grids, _ = mlx_pixels(rel["proc"].image_processor, [picture(150, 100)])
+    x = mx.array(pv.reshape(-1, 3, 14, 14).numpy()).transpose(0, 2, 3, 1)
+    g = [[1, *grids[0]]]
+    m = rel["mlx"]
+    f32 = torch.from_numpy(np.array(m.mm_projector(m.vision_tower(x, grid_thws=g))))
+    half = load_model(rel["src"])
+    half.set_dtype(mx.bfloat16)
+    theirs = torch.from_numpy(np.array(half.mm_projector(half.vision_tower(x.astype(mx.bfloat16), grid_thws=g))
+                                       .astype(mx.float32)))
+    eng = waste.load(rel["out"], dtype="bfloat16")
+    try:
+        ours = eng.vision.tower()(pv, grids)
+    finally:
+        eng.close()
+    a, b = rel_l2(ours.float(), f32), rel_l2(theirs, f32)
+    print(f"kimi_k3 tower bf16: ours {a:.2e}, mlx-vlm {b:.2e}")
+    assert ours.dtype == torch.bfloat16 and 0 < a < 2 * b
+
+
 def mlx_inputs(rel, c, imgs):
     mi = rel["proc"](images=imgs, text=[c.rendered.text])
     return mi, np.array(mi["input_ids"])[0].tolist()
