@@ -186,7 +186,9 @@ def test_split_prefill_places_each_row_once(rel):
     st, cut = eng.model.new_state(), int(rows.at[5])        # the cut falls inside the image's pads
     parts = [eng.model.step([(ids[:cut], st, 0, rows)], last_only=False)[0],
              eng.model.step([(ids[cut:], st, cut, rows)], last_only=False)[0]]
-    assert rel_l2(torch.cat(parts), whole) < 1e-5
+    # not bit-identical (torch's matmuls block T rows differently); measured 5.5e-6, and 1.0e-5 once RMS norm became
+    # the numba row kernel (its float32 sum in another order): about Kimi-Linear's split bound (test_oracle.SPLIT)
+    assert rel_l2(torch.cat(parts), whole) < 2e-5
 
 
 def test_engine_chat_with_image_bytes_equals_a_data_url(rel):
