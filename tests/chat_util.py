@@ -110,13 +110,13 @@ def assert_tool_call_route(url: str, model: str, reasoning: str, content: str, a
     return client, m
 
 
-def chat_tool_call_round(eng, monkeypatch, ids, **kw):
+def chat_tool_call_round(eng, monkeypatch, ids, max_tokens: int = 200, **kw):
     """Engine.chat on ASK with TOOLS, the model's output forced to `ids` (junk after them, which an end id must
     cut): the reasoning "The user wants the weather.", the content "Checking." and one get_weather call
     {"city": "Paris", "days": 3}. Returns the conversation with the call and a result after it, and that
     conversation as the engine's chat format renders it."""
     force_generation(monkeypatch, ids + eng.tokenizer.encode(" junk"))
-    c = eng.chat(ASK, tools=TOOLS, max_tokens=200, **kw)
+    c = eng.chat(ASK, tools=TOOLS, max_tokens=max_tokens, **kw)
     assert c.reasoning_content == "The user wants the weather." and c.content == "Checking."
     assert c.finish_reason == "tool_calls" and len(c.tool_calls) == 1
     call = c.tool_calls[0]

@@ -15,7 +15,7 @@ sys.modules.setdefault("fla", None)
 import pytest
 import torch
 from chat_util import (ASK, TEMPLATE_CASES, TOOLS, assert_renders_as_transformers, assert_tool_call_route,
-                       force_generation, force_sampler, waste_chat_session)
+                       chat_tool_call_round, force_generation, waste_chat_session)
 from fixtures import (chat_release, check_greedy, check_logits_and_routes, check_split, converted, mtp_layer,
                       oracle_model, prompt, rel_l2)
 from serve_util import ThreadServer
@@ -264,11 +264,12 @@ def test_reasoning_and_dsml_tool_calls_on_engine_server_and_waste_chat(v32, monk
     tok = eng.tokenizer
     eos = tok.token_to_id(SPECIALS[1])
     reply = tok.encode(REPLY) + [eos]
-    force_sampler(monkeypatch, reply)
-    c = eng.chat(ASK, tools=TOOLS)
-    assert c.reasoning_content == "The user wants the weather." and c.content == "Checking."
-    assert c.finish_reason == "tool_calls" and c.tool_calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(c.tool_calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    _, text = chat_tool_call_round(eng, monkeypatch, reply, max_tokens=600)
+    # the call and its result go back through the template as DSML and a function_results block
+    assert ('Checking.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
+            'string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>'
+            '\n</｜DSML｜invoke>\n</｜DSML｜function_calls><｜end▁of▁sentence｜>') in text
+    assert '<function_results>\n<result>{"temp": 21}</result>\n</function_results>\n\n<think>' in text
 
     srv = ThreadServer(ServerState(engine=eng))
     try:
