@@ -28,7 +28,9 @@ from .convert.convert import expert_layout
 from .convert.source import unwrap_config
 from .convert.synthetic import SPECIALS, byte_level_tokenizer_json, kimi_k3_text_config, qwen3_moe_config
 from .errors import WasteError
-from .runtime.generated import check_format, generator, GeneratedExperts
+from .runtime.generated import GeneratedExperts, check_format, generator
+from .runtime.plan import CEILING
+from .runtime.vram import GPU_RESERVE
 
 PREFIX = "random:"
 
@@ -184,11 +186,13 @@ class RandomModel:
         return out
 
     def plan_ram(self, local_world: int) -> int | None:
-        """The memory a plan sizes against: on a GPU its memory (the model lives there; the plan splits a host
-        among its processes, so their GPUs together), else None: the host's."""
+        """The memory a plan sizes against: on a GPU its memory less the allocator's reserve (the model lives
+        there), given so that the plan's ceiling (3/4 of what it is given, split among the processes of a host) is
+        that; else None: the host's."""
         if self.device.type == "cpu":
             return None
-        return torch.cuda.get_device_properties(self.device).total_memory * local_world
+        gpu = torch.cuda.get_device_properties(self.device).total_memory - GPU_RESERVE
+        return int(gpu / CEILING) * local_world
 
     def expert_store(self, dtype: torch.dtype, owned: dict | None, plan) -> GeneratedExperts:
         """Every expert this process holds, resident; refused by name where the plan cannot hold them all."""
@@ -196,7 +200,7 @@ class RandomModel:
             raise WasteError(f"{self.root}: its experts ({plan.bank_bytes / 2**30:.1f} GiB here) do not fit beside "
                              f"the trunk: the memory plan holds {plan.budget_bytes / 2**30:.1f} GiB of them and a random "
                              "model keeps every expert resident; give fewer layers=N, more --expert-parallel "
-                             "processes, or --budget to force it")
+                             "processes, or a --budget of the whole bank to force it")
         layers = {int(l): v["num_experts"] for l, v in self.manifest["experts"]["layers"].items()}
         return GeneratedExperts(self.layout, self.config, self.opts["experts"], layers, dtype, str(self.device),
                                 self.opts["seed"], owned)

@@ -64,7 +64,7 @@ class GeneratedExperts(ExpertCache):
         keys = [(l, e) for l in sorted(self.owned) for e in self.owned[l]]
         self.n_records = self.n_slots = self.n_dev = len(keys)
         self.budget_bytes = self.vram_bytes = self.n_slots * self.record_bytes
-        slab = torch.empty(self.budget_bytes, dtype=torch.uint8, device=self.device)
+        slab = torch.zeros(self.budget_bytes, dtype=torch.uint8, device=self.device)     # padding too: whole records
         on_gpu = self.device.type != "cpu"
         self.slab, self.dev_slab = (None, slab) if on_gpu else (slab, None)
         self._mm, self.tiered, self.pinned, self.fits, self.direct = None, False, False, True, False
