@@ -87,20 +87,23 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--device", default="cuda", help="cuda (default); cpu runs the same steps with gloo (a check)")
     a = ap.parse_args()
+    cuda = a.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = None
     if world > 1:
         from waste.runtime.parallel import ExpertParallel
 
-        ep = ExpertParallel.start(os.environ, world, device="cuda")
+        ep = ExpertParallel.start(os.environ, world, device=a.device)
     rank = ep.rank if ep else 0
-    a2a = all_to_all_rates(world) if ep else None
-    hbm = hbm_rate()
+    a2a = all_to_all_rates(world) if ep and cuda else None
+    hbm = hbm_rate() if cuda else 1e9
     t0 = time.perf_counter()
-    load = lambda: Engine.load(a.spec, dtype="bfloat16", device="cuda", expert_parallel=ep)  # noqa: E731
+    load = lambda: Engine.load(a.spec, dtype="bfloat16", device=a.device, expert_parallel=ep)  # noqa: E731
     eng = ep.load(load) if ep else load()
-    torch.cuda.synchronize()
+    sync()
     load_s = time.perf_counter() - t0
     try:
         if rank != 0:
@@ -113,12 +116,12 @@ def main() -> None:
             ids = torch.randint(3, v, (a.prompt_len + a.n,), generator=g).tolist()
             state = m.new_state()
             m.forward(torch.tensor(ids[:a.prompt_len]), state, 0, last_only=True)
-            torch.cuda.synchronize()
+            sync()
             c0 = eng.experts.report() if ep else None
             t = time.perf_counter()
             for i in range(a.n):
                 m.forward(torch.tensor([ids[a.prompt_len + i]]), state, a.prompt_len + i, last_only=True)
-            torch.cuda.synchronize()
+            sync()
             dt = time.perf_counter() - t
             run = {"tok_per_s": a.n / dt, "ms_per_token": dt / a.n * 1e3}
             if ep:
@@ -136,7 +139,7 @@ def main() -> None:
                        "max": max(x[k] for x in runs)} for k in runs[0]}
         out = {"spec": a.spec, "gpus": world, "load_seconds": load_s, "n": a.n, "prompt_len": a.prompt_len,
                "repeats": a.repeat, "hbm_gb_per_s": hbm / 1e9, "token_bytes": tb, "hbm_bound_tok_per_s": hbm / tb,
-               "gpu_gib_used": torch.cuda.max_memory_allocated() / 2**30, "all_to_all": a2a, **summary}
+               "gpu_gib_used": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "all_to_all": a2a, **summary}
         print(f"{a.spec} on {world} GPU(s): decode {summary['tok_per_s']['median']:.1f} tok/s "
               f"({summary['tok_per_s']['min']:.1f}-{summary['tok_per_s']['max']:.1f}); HBM bound "
               f"{hbm / tb:.0f} tok/s ({tb / 1e6:.0f} MB a token at {hbm / 1e9:.0f} GB/s); loaded in {load_s:.0f} s")
