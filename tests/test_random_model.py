@@ -84,6 +84,10 @@ def test_bench_takes_a_random_model(specs):
     out = json.loads(r.stdout)
     assert out["family"] == "qwen3_moe" and out["decode"]["tokens"] == 4 and out["decode"]["misses"] == 0
     assert out["budget_bytes"] == out["bank_bytes"] > 0
+    p = subprocess.run([sys.executable, "-m", "waste", "plan", specs["kimi_k3_mxfp4"], "--expert-parallel", "2",
+                        "--json"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert [r["experts_per_layer"] for r in json.loads(p.stdout)["ranks"]] == [[4] * 3, [4] * 3]   # 8 experts
 
 
 def test_presets_are_the_real_shapes():
