@@ -125,3 +125,19 @@ def test_a_family_without_trunk_shapes_is_refused(tmp_path):
     (tmp_path / "c.json").write_text(deepseek_model().config.to_json_string())
     with pytest.raises(WasteError, match="does not list its trunk shapes"):
         RandomModel(f"random:{tmp_path / 'c.json'}", "cpu")
+
+
+def test_the_generated_store_sets_everything_the_cache_sets(releases, specs):
+    """GeneratedExperts builds the cache's state itself (no banks to read): an attribute ExpertCache's __init__
+    gains later must be added there too, or the methods it inherits break on random models."""
+    from waste.container import open_container
+    from waste.runtime.cache import ExpertCache
+
+    c = open_container(releases["qwen3_moe"][2])
+    try:
+        cache = ExpertCache(c, None, torch.float32, preload=False)
+        gen = RandomModel(specs["qwen3_moe"], "cpu").expert_store(torch.float32, None, _fits())
+        assert set(vars(cache)) - set(vars(gen)) == set()
+        cache.close()
+    finally:
+        c.close()
