@@ -48,6 +48,7 @@ def check_format(name: str) -> None:
 
 class GeneratedExperts(ExpertCache):
     """Every owned record (`owned`: layer -> expert ids; None: all of them) generated into a slab on `device`."""
+    read_mode = "none (generated in place)"     # waste bench's report
 
     def __init__(self, layout: RecordLayout, cfg: dict, fmt_name: str, layers: dict[int, int], dtype: torch.dtype,
                  device: str, seed: int, owned: dict[int, list[int]] | None = None):
