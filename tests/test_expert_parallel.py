@@ -87,6 +87,34 @@ def test_each_family_is_bit_identical_to_one_process(containers, tmp_path):
         torch.set_num_threads(threads)
 
 
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL); CI has none")
+
+
+def one_and_two_processes(items: list[str], out: Path, device: str) -> None:
+    """ep_worker over items in one process and in two under torchrun (NCCL + a GPU each on cuda), each into its
+    own folder of out, both started fresh: then rank 0's tensors against the one process's, by name."""
+    for d in ("one", "two"):
+        (out / d).mkdir()
+    one = subprocess.run([sys.executable, str(HERE / "ep_worker.py"), str(out / "one"), "--device", device, *items],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(str(HERE / "ep_worker.py"), str(out / "two"), "--device", device, "--expert-parallel", "2",
+                   *items, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    for item in items:
+        name = item.partition("=")[0]
+        want, got = (torch.load(out / d / f"{name}.pt") for d in ("one", "two"))
+        for k in ("prefill", "greedy", "batch_a", "batch_b", "next_a", "next_b"):
+            assert torch.equal(got[k], want[k]), (name, k)
+
+
+@TWO_GPUS
+def test_each_family_is_bit_identical_on_two_gpus(containers, tmp_path):
+    """NCCL between 2 GPUs, one process per GPU, float32 compute: rank 0's logits and tokens against one process on
+    one GPU (run by hand on the 2-GPU machine; docs/LEARNED.md §11)."""
+    one_and_two_processes([f"{n}={p}" for n, p in containers.items()], tmp_path, "cuda")
+
+
 def test_cli_run_bench_and_plan(releases):
     m = str(releases["qwen3_moe"][2])
     one = waste_cli("run", m, "hello world", "-n", "12", "--temperature", "0")

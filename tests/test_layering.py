@@ -18,7 +18,7 @@ TIERS = [
     {"models"},
     {"text", "images"},
     {"convert"},
-    {"default_model", "vision"},
+    {"default_model", "vision", "random_model"},
     {"hub", "chat"},
     {"engine"},
     {"serve", "chat_cli"},

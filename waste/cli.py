@@ -203,6 +203,7 @@ def _routing_top_k(verb: str):
 
 
 def cmd_plan(a):
+    from .random_model import is_random
     from .runtime.dtype import resolve_dtype
     from .runtime.plan import plan_memory
     from .runtime.vram import vram_lines, vram_plan
@@ -213,7 +214,12 @@ def cmd_plan(a):
         return _hub_plan(a)
     from .vision import RUNS
 
-    c = _open(model_path(a.model))
+    if is_random(a.model):        # random:NAME,...: planned from its shape, nothing generated
+        from .random_model import RandomModel
+
+        c = RandomModel(a.model, "cpu")
+    else:
+        c = _open(model_path(a.model))
     if a.expert_parallel is not None:
         return _plan_ranks(a, c)
     p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),

@@ -14,6 +14,7 @@ from .container import Container, open_container
 from .errors import WasteError
 from .models import build_model, check_family
 from .quant.linear import assemble_trunk
+from .random_model import RandomModel, is_random
 from .runtime.cache import ExpertCache
 from .runtime.dtype import resolve_dtype
 from .runtime.plan import MemoryPlan, plan_memory
@@ -267,7 +268,8 @@ class Engine:
             from .default_model import default_model_path
 
             path = default_model_path()
-        container = open_container(path)
+        random = is_random(path)      # random:NAME: generated in memory on the device (waste/random_model.py)
+        container = RandomModel(path, resolve_device(device)) if random else open_container(path)
         experts = None
         try:
             check_family(container.family)
@@ -281,18 +283,23 @@ class Engine:
                 from .layers.moe_cpu import warm
 
                 warm()       # the decode kernels' runtime is part of the process the plan measures
+            if random and ram is None:
+                ram = container.plan_ram(ep.local_world if ep else 1)
             plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
                                None if budget is None else parse_size(budget),
                                None if ep is None else [len(o) for o in owned.values()], ep.local_world if ep else 1,
                                prefill_chunk=prefill_chunk, vision=container.family in VISION_RUNS)
             from .text.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(container.root)
+            tokenizer = container.tokenizer if random else load_tokenizer(container.root)
             trunk = assemble_trunk(container.load_trunk(verify=verify), container.manifest["trunk"])
             dev = resolve_device(device)
-            vb = vram_budget(plan, dev, None if vram is None else parse_size(vram))
-            experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
-                                  direct=direct, device=dev, prefetch=prefetch, vram=vb, owned=owned)
+            if random:
+                experts = container.expert_store(dt, owned, plan)
+            else:
+                vb = vram_budget(plan, dev, None if vram is None else parse_size(vram))
+                experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload,
+                                      verify=verify, direct=direct, device=dev, prefetch=prefetch, vram=vb, owned=owned)
             if ep is not None:
                 experts = ep.store(experts)
             f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()

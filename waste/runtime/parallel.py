@@ -188,6 +188,7 @@ class ParallelExperts:
     the exchange that has every routed pair computed by its expert's owner. Everything else (stats, close, ...)
     is the local cache's."""
     wants_prefetch = False          # next-layer prefetch predicts for one store; not across ranks (yet)
+    device_map = None               # no CUDA graphs: every MoE layer is an exchange with the other ranks
 
     def __init__(self, local, group: ExpertParallel):
         self.local, self.group = local, group

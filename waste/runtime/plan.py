@@ -198,8 +198,8 @@ def plan_memory(container: Container, dtype: torch.dtype, context: int = 4096, r
     plan_from_sizes; vision: the container's tower runs (waste.vision.RUNS), so the floor reserves it."""
     ex = container.manifest["experts"]
     per_layer = experts_per_layer or [i["num_experts"] for i in ex["layers"].values()]
-    return plan_from_sizes(container.config, ex["record_bytes"], per_layer,
-                           trunk_resident_bytes(container, dtype), dtype, context, ram, budget, share=share,
+    trunk = container.trunk_bytes(dtype) if hasattr(container, "trunk_bytes") else trunk_resident_bytes(container, dtype)
+    return plan_from_sizes(container.config, ex["record_bytes"], per_layer, trunk, dtype, context, ram, budget, share=share,
                            prefill_chunk=prefill_chunk, baseline=baseline,
                            vision=vision_resident_bytes(container, dtype) if vision else 0)
 
