@@ -23,9 +23,9 @@ def container(tmp_path_factory):
     return convert(root / "src", root / "m.waste", experts="bf16", trunk="bf16", progress=False)
 
 
-def run(path, vram):
+def run(path, vram, prefetch=True):
     c = open_container(path)
-    ex = ExpertCache(c, None, torch.float32, vram=vram, preload=False)
+    ex = ExpertCache(c, None, torch.float32, vram=vram, preload=False, prefetch=prefetch)
     try:
         f32 = set(c.manifest["trunk"].get("f32_tensors", []))
         m = build_model(c.family, c.config, assemble_trunk(c.load_trunk(), c.manifest["trunk"]), ex, torch.float32,
@@ -59,6 +59,21 @@ def test_a_tier_of_one_record_computes_in_rounds(container):
     rec = open_container(container).manifest["experts"]["record_bytes"]
     out, ex = run(container, rec)
     assert ex.n_dev == 1 and torch.equal(out, ref)
+
+
+def test_tier_prefetch_copies_predicted_records_and_keeps_the_bits(container):
+    """Next-layer prefetch over the link: the predicted records go up while a layer computes, into slots that
+    layer does not read; with it on or off, the same bits as the whole bank, and some prefetched records used
+    (how many is the router's business: this random model's routing is hard to guess)."""
+    ref, _ = run(container, None)
+    k = qwen3_moe_config()["num_experts_per_tok"]
+    rec = open_container(container).manifest["experts"]["record_bytes"]
+    on, ex_on = run(container, 4 * k * rec)
+    off, ex_off = run(container, 4 * k * rec, prefetch=False)
+    assert ex_on.tier.prefetches > 0 and ex_off.tier.prefetches == 0
+    assert 0 < ex_on.tier.prefetch_used <= ex_on.tier.prefetches
+    assert ex_on.tier.copy_calls <= ex_on.tier_copies + ex_on.tier.prefetches    # runs of slots: one copy each
+    assert torch.equal(on, ref) and torch.equal(off, ref)
 
 
 def cli(*args):
