@@ -27,6 +27,7 @@ import waste  # noqa: E402
 from waste.convert.convert import convert  # noqa: E402
 from waste.convert.synthetic import qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
 from waste.layers import moe  # noqa: E402
+from waste.runtime import trace  # noqa: E402
 from waste.timing import count_ops  # noqa: E402
 
 
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--vram-frac", type=float, default=0.0,
                     help="also decode with the whole bank in the pinned host slab and a VRAM tier of this share of it "
                          "(records copied up as layers need them; against the 55 GB/s pinned link)")
+    ap.add_argument("--trace", help="the VRAM tier's arms route by this recorded trace (benchmarks/traces/)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the VRAM tier's arms")
     ap.add_argument("--peer", action="store_true", help="also decode with transformers (bf16 on this GPU)")
     a = ap.parse_args()
     src = a.dir / "src"
@@ -153,22 +156,51 @@ def main() -> None:
                       f"bound of {2.2e9 / max(read, 1):.1f} tok/s, at 55 GB/s pinned {55e9 / max(read, 1):.0f}",
                       flush=True)
         if a.vram_frac:
-            with waste.load(out, device="cuda", dtype="bfloat16", vram=int(bank_bytes * a.vram_frac)) as eng:
-                eng.experts.wait_fill()
-                ex = eng.experts
-                c0 = ex.tier_copies
-                steps, _ = decode(eng.model, a.n)
-                up = (ex.tier_copies - c0) * man["experts"]["record_bytes"] / (len(steps) + 8 + 1)
-                med = statistics.median(steps)
-                print(f"{a.layers} layers, {fmt} experts, VRAM tier {a.vram_frac:.2f} of the "
-                      f"{bank_bytes / 1e9:.1f} GB "
-                      f"bank over the whole bank in pinned host memory (pinned: {ex.pinned}): {1 / med:.1f} tok/s "
-                      f"({1e3 * med:.2f} ms per token); {up / 1e6:.1f} MB copied up per token on average: at 55 GB/s "
-                      f"a bound of {55e9 / max(up, 1):.0f} tok/s ({up / med / 55e9 * 100:.0f}% of the link)",
-                      flush=True)
+            tier_arms(out, fmt, bank_bytes, man["experts"]["record_bytes"], a)
     if a.peer and (src / "config.json").is_file():
         peer_transformers(src, a.n)
     shutil.rmtree(src, ignore_errors=True)
+
+
+def tier_arms(out: Path, fmt: str, bank_bytes: int, rec: int, a) -> None:
+    """The whole bank in pinned host memory, a VRAM tier of --vram-frac of it; arms interleaved over --rounds:
+    sync = one blocking copy per run of slots on the compute stream (the tier's first form); stream = copies on
+    their own stream, compute waiting on their event; prefetch = stream + the next layer's predicted records
+    copied up while this layer computes. Link GB/s = bytes / the copy stream's CUDA-event time of each batch."""
+    with waste.load(out, device="cuda", dtype="bfloat16", vram=int(bank_bytes * a.vram_frac)) as eng:
+        eng.experts.wait_fill()
+        ex, tier = eng.experts, eng.experts.tier
+        if a.trace:     # a recorded routing and its recorded predictions, scaled to this model (runtime/trace.py)
+            eng.model.router, eng.model.predictor = trace.replay(eng.model, trace.load(a.trace))
+        stream = tier.stream
+        res: dict[str, list] = {}
+        for _ in range(a.rounds):
+            for arm in ("sync", "stream", "prefetch"):
+                tier.stream = None if arm == "sync" else stream
+                ex.wants_prefetch = ex.tier_prefetch = arm == "prefetch"
+                tier.timing(arm != "sync")
+                c0, p0, u0, k0 = tier.copies, tier.prefetches, tier.prefetch_used, tier.copy_calls
+                steps, _ = decode(eng.model, a.n)
+                calls = len(steps) + 8 + 1
+                nb, secs = tier.link()
+                res.setdefault(arm, []).append((statistics.median(steps), (tier.copies - c0) * rec / calls,
+                                                (tier.prefetches - p0) * rec / calls, tier.prefetch_used - u0,
+                                                tier.prefetches - p0, (tier.copy_calls - k0) / calls,
+                                                nb / secs if secs else 0.0))
+        tier.stream = stream
+        for arm, rows in res.items():
+            meds = [r[0] for r in rows]
+            med = statistics.median(meds)
+            up, pf = statistics.median(r[1] for r in rows), statistics.median(r[2] for r in rows)
+            used = sum(r[3] for r in rows) / sum(r[4] for r in rows) if arm == "prefetch" else 0.0
+            link = [r[6] / 1e9 for r in rows]
+            print(f"{a.layers} layers, {fmt} experts{', trace ' + Path(a.trace).stem if a.trace else ''}, VRAM tier {a.vram_frac:.2f} of the {bank_bytes / 1e9:.1f} GB bank "
+                  f"over pinned host (pinned: {ex.pinned}), arm {arm}: {1 / med:.1f} tok/s ({1e3 * med:.2f} ms per "
+                  f"token, rounds {', '.join(f'{1e3 * m:.2f}' for m in meds)}); {up / 1e6:.1f} MB copied on demand + "
+                  f"{pf / 1e6:.1f} MB prefetched per token (prefetched records used: {100 * used:.0f}%), "
+                  f"{statistics.median(r[5] for r in rows):.1f} copies per token; link bound at 55 GB/s for the "
+                  f"demand bytes {55e9 / max(up, 1):.0f} tok/s ({up / med / 55e9 * 100:.1f}% of it); link during "
+                  f"copies {', '.join(f'{x:.1f}' for x in link)} GB/s", flush=True)
 
 
 @torch.inference_mode()

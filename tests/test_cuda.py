@@ -105,11 +105,9 @@ def test_a_vram_tier_below_the_host_budget_gives_the_same_bits(container, fmt):
             logits = m.forward(torch.tensor(ids), m.new_state(), 0)
             ex = eng.experts
             toks = eng.generate(ids, max_tokens=12).token_ids
-            res[small] = (logits, toks, (ex.tiered, ex.pinned, ex.tier_copies if ex.tiered else 0, ex.n_dev,
-                                         ex.tier.prefetches if ex.tiered else 0))
-    tiered, pinned, copies, n_dev, prefetched = res[True][2]
+            res[small] = (logits, toks, (ex.tiered, ex.pinned, ex.tier_copies if ex.tiered else 0, ex.n_dev))
+    tiered, pinned, copies, n_dev = res[True][2]
     assert tiered and pinned and copies > n_dev
-    assert prefetched > 0          # the next layer's predicted records went up on the copy stream
     assert torch.equal(res[True][0], res[False][0])
     assert res[True][1] == res[False][1]
 

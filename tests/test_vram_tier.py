@@ -23,9 +23,10 @@ def container(tmp_path_factory):
     return convert(root / "src", root / "m.waste", experts="bf16", trunk="bf16", progress=False)
 
 
-def run(path, vram, prefetch=True):
+def run(path, vram, prefetch=False):
     c = open_container(path)
-    ex = ExpertCache(c, None, torch.float32, vram=vram, preload=False, prefetch=prefetch)
+    ex = ExpertCache(c, None, torch.float32, vram=vram, preload=False)
+    ex.tier_prefetch = ex.wants_prefetch = prefetch       # (off by default: LEARNED §10)
     try:
         f32 = set(c.manifest["trunk"].get("f32_tensors", []))
         m = build_model(c.family, c.config, assemble_trunk(c.load_trunk(), c.manifest["trunk"]), ex, torch.float32,
@@ -68,8 +69,8 @@ def test_tier_prefetch_copies_predicted_records_and_keeps_the_bits(container):
     ref, _ = run(container, None)
     k = qwen3_moe_config()["num_experts_per_tok"]
     rec = open_container(container).manifest["experts"]["record_bytes"]
-    on, ex_on = run(container, 4 * k * rec)
-    off, ex_off = run(container, 4 * k * rec, prefetch=False)
+    on, ex_on = run(container, 4 * k * rec, prefetch=True)
+    off, ex_off = run(container, 4 * k * rec)
     assert ex_on.tier.prefetches > 0 and ex_off.tier.prefetches == 0
     assert 0 < ex_on.tier.prefetch_used <= ex_on.tier.prefetches
     assert ex_on.tier.copy_calls <= ex_on.tier_copies + ex_on.tier.prefetches    # runs of slots: one copy each

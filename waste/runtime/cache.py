@@ -118,8 +118,10 @@ class ExpertCache:
         self._stop = threading.Event()
         self.fill_thread = None
         self.fits = self.n_slots >= self.n_records
-        # the whole bank fits: the fill reads it all anyway (but a VRAM tier below it copies predicted records up)
-        self.wants_prefetch = prefetch and (not self.fits or self.tiered)
+        # the whole bank fits: the fill reads it all anyway. tier_prefetch: also copy the predicted records up to a
+        # VRAM tier (off: on the H200 it cost more than it saved at the 48% precision of a random model, LEARNED §10)
+        self.tier_prefetch = False
+        self.wants_prefetch = prefetch and not self.fits
         self._tier_next: list[int] | None = None     # host slots of the next layer's predicted experts (tier)
         if preload and self.fits and self.n_records:
             self.fill_thread = threading.Thread(target=self._fill, name="waste-fill", daemon=True)
@@ -360,7 +362,7 @@ class ExpertCache:
         self._predicted[layer] = set(experts)
         if layer not in self.banks or self.precision < PREFETCH_MIN_PRECISION:
             return
-        if self.tier is not None:      # the host-resident ones go up the link after this layer's kernels are queued
+        if self.tier is not None and self.tier_prefetch:   # the host-resident ones go up the link after this layer's kernels are queued
             with self.lock:
                 self._tier_next = [self.slot_of[(layer, e)] for e in experts
                                    if (layer, e) in self.slot_of and (layer, e) not in self.loading]

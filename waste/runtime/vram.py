@@ -127,6 +127,7 @@ class Tier:
         # runs: consecutive host slots into consecutive tier slots are one copy
         cut = np.flatnonzero((np.diff(host) != 1) | (np.diff(tier) != 1)) + 1
         runs = [(int(h[0]), int(t[0]), len(h)) for h, t in zip(np.split(host, cut), np.split(tier, cut))]
+        self.copy_calls += len(runs)
         if self.stream is None:
             for s, d, n in runs:
                 self.dev[d:d + n].copy_(self.rows[s:s + n])
@@ -142,7 +143,6 @@ class Tier:
             ev = torch.cuda.Event(enable_timing=start is not None)
             ev.record()
         self.event = ev
-        self.copy_calls += len(runs)
         if start is not None:
             self.spans.append((start, ev, len(host) * self.record_bytes))
 
