@@ -93,11 +93,13 @@ def test_plan_device_cuda_json_has_both_budgets(container):
     assert d["tiers"] == "vram over pinned host"
     big = json.loads(cli("plan", container, "--device", "cuda", "--vram", "100G", "--json").stdout)
     assert big["vram_budget_bytes"] == big["budget_bytes"] and big["tiers"] == "mirror"   # at most the host budget
-    assert json.loads(cli("plan", container, "--json").stdout)["device"] == "cpu"
+    assert json.loads(cli("plan", container, "--device", "cpu", "--json").stdout)["device"] == "cpu"
+    auto = json.loads(cli("plan", container, "--json").stdout)["device"]       # --device auto, the default
+    assert auto == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_vram_flag_errors_are_clear(container):
-    p = cli("run", container, "hi", "-n", "1", "--vram", "1G")           # --device cpu (the default)
+    p = cli("run", container, "hi", "-n", "1", "--vram", "1G", "--device", "cpu")
     assert p.returncode == 1 and "--vram sizes the GPU's expert tier: it needs --device cuda" in p.stderr
     p = cli("plan", container, "--device", "cuda", "--vram", "10")
     assert p.returncode == 1 and "smaller than one expert record" in p.stderr

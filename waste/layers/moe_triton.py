@@ -267,11 +267,20 @@ def pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, **tune) -> torch.Ten
     inter, hid = bank.shapes["gate"][0], bank.shapes["down"][0]
     gu = torch.empty(2, P, inter, dtype=xk.dtype, device=x.device)
     matvec(("gate", "up"), xk, flat, bank, gu, k, **tune)
-    h = bank.activate(gu[0], gu[1]).contiguous()
+    g, u = _biased(gu[0], bank, "gate", flat), _biased(gu[1], bank, "up", flat)
+    h = bank.activate(g, u).contiguous()
     y = torch.empty(1, P, hid, dtype=xk.dtype, device=x.device)
     matvec(("down",), h, flat, bank, y, 1, **tune)
-    y = y.view(T, k, hid)
+    y = _biased(y[0], bank, "down", flat).view(T, k, hid)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _biased(y: torch.Tensor, bank: Bank, m: str, flat: torch.Tensor) -> torch.Tensor:
+    """y + the pairs' biases where the records carry them (gpt-oss), none on -1 pairs (they stay zero)."""
+    b = bank.parts[m].get("bias")
+    if b is None:
+        return y
+    return y + torch.where((flat >= 0).unsqueeze(-1), b[flat.clamp_min(0)].to(y.dtype), 0)
 
 
 pairs.any_slots = True      # exact per pair at any number of rows, and -1 pairs left zero
