@@ -39,9 +39,18 @@ def _release(name, root):
 def family(request, tmp_path_factory):
     from waste.convert.convert import convert
 
-    root = tmp_path_factory.mktemp(request.param)
-    src, experts = _release(request.param, root)
-    return request.param, convert(src, root / "m.waste", experts=experts, trunk="bf16", progress=False)
+    import transformers
+    from packaging.version import Version
+
+    name = request.param
+    if name == "glm5_next" and Version(transformers.__version__) < Version("5.24"):
+        pytest.skip(f"the glm5_next fixture needs transformers 5.24's config (this has {transformers.__version__})")
+    root = tmp_path_factory.mktemp(name)
+    try:
+        src, experts = _release(name, root)
+    except ModuleNotFoundError as e:    # the oracle test module the fixture lives in imports it at the top
+        pytest.skip(f"the {name} fixture's module needs {e.name}: pip install it")
+    return name, convert(src, root / "m.waste", experts=experts, trunk="bf16", progress=False)
 
 
 def _run(path, device, vram=None):
@@ -68,7 +77,10 @@ def test_cuda_matches_cpu_and_a_vram_tier_the_whole_slab(family):
     name, path = family
     cpu, gpu = _run(path, "cpu"), _run(path, "cuda")
     assert gpu[0].device.type == "cpu"
-    assert len(cpu[2]) == len(gpu[2]) and all(i == j and torch.equal(x, y)
+    # the same experts for every token (top-k's order may differ between the devices' kernels: each id keeps its
+    # weight, so only the weighted sum's order changes)
+    same = lambda x, y: torch.equal(x.sort(-1).values, y.sort(-1).values)       # noqa: E731
+    assert len(cpu[2]) == len(gpu[2]) and all(i == j and same(x, y)
                                               for (i, x), (j, y) in zip(cpu[2], gpu[2])), f"{name}: routing differs"
     rel = float((cpu[0] - gpu[0]).norm() / cpu[0].norm())
     assert rel < 1e-5, f"{name}: logits {rel:.2e} apart"

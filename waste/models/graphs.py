@@ -87,7 +87,10 @@ class DecodeGraphs:
         g = self.mlps.get(i)
         if g is None:
             gx = x.clone()
-            graph, gy = self._capture(lambda: self.model.mlp_many(i, [gx])[0], self.model.experts)
+            from .base import DecoderModel   # (base imports this module)
+            # the base's MLP, which is what returns the replay: a family's own additions (Qwen3-Next's gated
+            # shared expert) run after it, eagerly, as they do around the eager path
+            graph, gy = self._capture(lambda: DecoderModel.mlp_many(self.model, i, [gx])[0], self.model.experts)
             g = self.mlps[i] = (gx, gy, graph)
         gx, gy, graph = g
         gx.copy_(x)
