@@ -171,7 +171,8 @@ def tier_arms(out: Path, fmt: str, bank_bytes: int, rec: int, a) -> None:
         eng.experts.wait_fill()
         ex, tier = eng.experts, eng.experts.tier
         if a.trace:     # a recorded routing and its recorded predictions, scaled to this model (runtime/trace.py)
-            eng.model.router, eng.model.predictor = trace.replay(eng.model, trace.load(a.trace))
+            route, eng.model.predictor = trace.replay(eng.model, trace.load(a.trace))
+            eng.model.router = lambda i, x: tuple(t.to(x.device) for t in route(i, x))   # (replayed on the host)
         stream = tier.stream
         res: dict[str, list] = {}
         for _ in range(a.rounds):
