@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_decode.py DIR [--layers 12] [-n 64] [--experts bf16,q4]
                                         [--variants gather,triton,graphs,whole] [--budget-frac F] [--peer]
+                                        [--vram-frac F [--rounds 3] [--trace FILE]] [--replicate-from N]
 
 Builds (once, in DIR) a seeded random release of the Qwen3-30B-A3B widths (hidden 2048, 128 experts top-8,
 moe_intermediate 768, 32 / 4 heads of 128) with --layers layers and converts it; then loads it on the GPU with every
@@ -13,8 +14,10 @@ kernel launch or more). Not a test; docs/LEARNED.md §10 has the figures.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -75,6 +78,35 @@ def decode(m, n: int):
     return steps, (nxt, state, pos)
 
 
+def build(d: Path, layers: int, fmt: str, replicate_from: int = 0) -> Path:
+    """The container DIR/q30b{layers}-{fmt}.waste (built once): a seeded random release of the 30B widths converted,
+    or with replicate_from, one of that many layers repeated (benchmarks/replicate_layers.py: no 58 GB bf16 source
+    for 48 layers)."""
+    out, src = d / f"q30b{layers}-{fmt}.waste", d / "src"
+    if (out / "manifest.json").is_file():
+        return out
+    if replicate_from and replicate_from < layers:
+        base = build(d, replicate_from, fmt)
+        t = time.perf_counter()
+        subprocess.run([sys.executable, str(Path(__file__).with_name("replicate_layers.py")), str(base), str(out),
+                        "--layers", str(layers)], check=True, stdout=subprocess.DEVNULL)
+        print(f"{layers} layers replicated from {replicate_from} in {time.perf_counter() - t:.0f} s", flush=True)
+        return out
+    if (src / "config.json").is_file() and json.loads((src / "config.json").read_text())["num_hidden_layers"] != layers:
+        shutil.rmtree(src)
+    if not (src / "config.json").is_file():
+        cfg = qwen3_moe_config(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                               num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
+                               head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+        t = time.perf_counter()
+        write_random_qwen3_moe(src, cfg, seed=0, shard_bytes=2 << 30, progress=False)
+        print(f"random release written in {time.perf_counter() - t:.0f} s", flush=True)
+    t = time.perf_counter()
+    convert(src, out, experts=fmt, trunk="bf16", force=True, progress=False)
+    print(f"converted to {fmt} experts in {time.perf_counter() - t:.0f} s", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir", type=Path)
@@ -92,6 +124,8 @@ def main() -> None:
                     help="also decode with the whole bank in the pinned host slab and a VRAM tier of this share of it "
                          "(records copied up as layers need them; against the 55 GB/s pinned link)")
     ap.add_argument("--trace", help="the VRAM tier's arms route by this recorded trace (benchmarks/traces/)")
+    ap.add_argument("--replicate-from", type=int, default=0, metavar="N",
+                    help="build N layers and repeat them to --layers (48 layers of q4 without a 58 GB bf16 source)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the VRAM tier's arms")
     ap.add_argument("--peer", action="store_true", help="also decode with transformers (bf16 on this GPU)")
     a = ap.parse_args()
@@ -100,18 +134,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: HBM copy {rate / 1e9:.0f} GB/s; one eager launch {floor:.1f} us",
           flush=True)
     for fmt in a.experts.split(","):
-        out = a.dir / f"q30b{a.layers}-{fmt}.waste"
-        if not (out / "manifest.json").is_file():
-            if not (src / "config.json").is_file():
-                cfg = qwen3_moe_config(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                                       num_hidden_layers=a.layers, num_attention_heads=32, num_key_value_heads=4,
-                                       head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
-                t = time.perf_counter()
-                write_random_qwen3_moe(src, cfg, seed=0, shard_bytes=2 << 30, progress=False)
-                print(f"random release written in {time.perf_counter() - t:.0f} s", flush=True)
-            t = time.perf_counter()
-            convert(src, out, experts=fmt, trunk="bf16", force=True, progress=False)
-            print(f"converted to {fmt} experts in {time.perf_counter() - t:.0f} s", flush=True)
+        out = build(a.dir, a.layers, fmt, a.replicate_from)
         with waste.load(out, device="cuda", dtype="bfloat16") as eng:
             eng.experts.wait_fill()
             m, man = eng.model, eng.container.manifest
@@ -157,7 +180,8 @@ def main() -> None:
                       flush=True)
         if a.vram_frac:
             tier_arms(out, fmt, bank_bytes, man["experts"]["record_bytes"], a)
-    if a.peer and (src / "config.json").is_file():
+    if a.peer and (src / "config.json").is_file() and \
+            json.loads((src / "config.json").read_text())["num_hidden_layers"] == a.layers:
         peer_transformers(src, a.n)
     shutil.rmtree(src, ignore_errors=True)
 
