@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_decode.py DIR [--layers 12] [-n 64] [--experts bf16,q4]
                                         [--variants gather,triton,graphs,whole] [--budget-frac F] [--peer]
+                                        [--vram-frac F [--rounds 3] [--trace FILE]] [--replicate-from N]
 
 Builds (once, in DIR) a seeded random release of the Qwen3-30B-A3B widths (hidden 2048, 128 experts top-8,
 moe_intermediate 768, 32 / 4 heads of 128) with --layers layers and converts it; then loads it on the GPU with every
@@ -13,8 +14,10 @@ kernel launch or more). Not a test; docs/LEARNED.md §10 has the figures.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +30,7 @@ import waste  # noqa: E402
 from waste.convert.convert import convert  # noqa: E402
 from waste.convert.synthetic import qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
 from waste.layers import moe  # noqa: E402
+from waste.runtime import trace  # noqa: E402
 from waste.timing import count_ops  # noqa: E402
 
 
@@ -74,6 +78,35 @@ def decode(m, n: int):
     return steps, (nxt, state, pos)
 
 
+def build(d: Path, layers: int, fmt: str, replicate_from: int = 0) -> Path:
+    """The container DIR/q30b{layers}-{fmt}.waste (built once): a seeded random release of the 30B widths converted,
+    or with replicate_from, one of that many layers repeated (benchmarks/replicate_layers.py: no 58 GB bf16 source
+    for 48 layers)."""
+    out, src = d / f"q30b{layers}-{fmt}.waste", d / "src"
+    if (out / "manifest.json").is_file():
+        return out
+    if replicate_from and replicate_from < layers:
+        base = build(d, replicate_from, fmt)
+        t = time.perf_counter()
+        subprocess.run([sys.executable, str(Path(__file__).with_name("replicate_layers.py")), str(base), str(out),
+                        "--layers", str(layers)], check=True, stdout=subprocess.DEVNULL)
+        print(f"{layers} layers replicated from {replicate_from} in {time.perf_counter() - t:.0f} s", flush=True)
+        return out
+    if (src / "config.json").is_file() and json.loads((src / "config.json").read_text())["num_hidden_layers"] != layers:
+        shutil.rmtree(src)
+    if not (src / "config.json").is_file():
+        cfg = qwen3_moe_config(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                               num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
+                               head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+        t = time.perf_counter()
+        write_random_qwen3_moe(src, cfg, seed=0, shard_bytes=2 << 30, progress=False)
+        print(f"random release written in {time.perf_counter() - t:.0f} s", flush=True)
+    t = time.perf_counter()
+    convert(src, out, experts=fmt, trunk="bf16", force=True, progress=False)
+    print(f"converted to {fmt} experts in {time.perf_counter() - t:.0f} s", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir", type=Path)
@@ -90,6 +123,10 @@ def main() -> None:
     ap.add_argument("--vram-frac", type=float, default=0.0,
                     help="also decode with the whole bank in the pinned host slab and a VRAM tier of this share of it "
                          "(records copied up as layers need them; against the 55 GB/s pinned link)")
+    ap.add_argument("--trace", help="the VRAM tier's arms route by this recorded trace (benchmarks/traces/)")
+    ap.add_argument("--replicate-from", type=int, default=0, metavar="N",
+                    help="build N layers and repeat them to --layers (48 layers of q4 without a 58 GB bf16 source)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the VRAM tier's arms")
     ap.add_argument("--peer", action="store_true", help="also decode with transformers (bf16 on this GPU)")
     a = ap.parse_args()
     src = a.dir / "src"
@@ -97,18 +134,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: HBM copy {rate / 1e9:.0f} GB/s; one eager launch {floor:.1f} us",
           flush=True)
     for fmt in a.experts.split(","):
-        out = a.dir / f"q30b{a.layers}-{fmt}.waste"
-        if not (out / "manifest.json").is_file():
-            if not (src / "config.json").is_file():
-                cfg = qwen3_moe_config(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                                       num_hidden_layers=a.layers, num_attention_heads=32, num_key_value_heads=4,
-                                       head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
-                t = time.perf_counter()
-                write_random_qwen3_moe(src, cfg, seed=0, shard_bytes=2 << 30, progress=False)
-                print(f"random release written in {time.perf_counter() - t:.0f} s", flush=True)
-            t = time.perf_counter()
-            convert(src, out, experts=fmt, trunk="bf16", force=True, progress=False)
-            print(f"converted to {fmt} experts in {time.perf_counter() - t:.0f} s", flush=True)
+        out = build(a.dir, a.layers, fmt, a.replicate_from)
         with waste.load(out, device="cuda", dtype="bfloat16") as eng:
             eng.experts.wait_fill()
             m, man = eng.model, eng.container.manifest
@@ -153,22 +179,53 @@ def main() -> None:
                       f"bound of {2.2e9 / max(read, 1):.1f} tok/s, at 55 GB/s pinned {55e9 / max(read, 1):.0f}",
                       flush=True)
         if a.vram_frac:
-            with waste.load(out, device="cuda", dtype="bfloat16", vram=int(bank_bytes * a.vram_frac)) as eng:
-                eng.experts.wait_fill()
-                ex = eng.experts
-                c0 = ex.tier_copies
-                steps, _ = decode(eng.model, a.n)
-                up = (ex.tier_copies - c0) * man["experts"]["record_bytes"] / (len(steps) + 8 + 1)
-                med = statistics.median(steps)
-                print(f"{a.layers} layers, {fmt} experts, VRAM tier {a.vram_frac:.2f} of the "
-                      f"{bank_bytes / 1e9:.1f} GB "
-                      f"bank over the whole bank in pinned host memory (pinned: {ex.pinned}): {1 / med:.1f} tok/s "
-                      f"({1e3 * med:.2f} ms per token); {up / 1e6:.1f} MB copied up per token on average: at 55 GB/s "
-                      f"a bound of {55e9 / max(up, 1):.0f} tok/s ({up / med / 55e9 * 100:.0f}% of the link)",
-                      flush=True)
-    if a.peer and (src / "config.json").is_file():
+            tier_arms(out, fmt, bank_bytes, man["experts"]["record_bytes"], a)
+    if a.peer and (src / "config.json").is_file() and \
+            json.loads((src / "config.json").read_text())["num_hidden_layers"] == a.layers:
         peer_transformers(src, a.n)
     shutil.rmtree(src, ignore_errors=True)
+
+
+def tier_arms(out: Path, fmt: str, bank_bytes: int, rec: int, a) -> None:
+    """The whole bank in pinned host memory, a VRAM tier of --vram-frac of it; arms interleaved over --rounds:
+    sync = one blocking copy per run of slots on the compute stream (the tier's first form); stream = copies on
+    their own stream, compute waiting on their event; prefetch = stream + the next layer's predicted records
+    copied up while this layer computes. Link GB/s = bytes / the copy stream's CUDA-event time of each batch."""
+    with waste.load(out, device="cuda", dtype="bfloat16", vram=int(bank_bytes * a.vram_frac)) as eng:
+        eng.experts.wait_fill()
+        ex, tier = eng.experts, eng.experts.tier
+        if a.trace:     # a recorded routing and its recorded predictions, scaled to this model (runtime/trace.py)
+            route, eng.model.predictor = trace.replay(eng.model, trace.load(a.trace))
+            eng.model.router = lambda i, x: tuple(t.to(x.device) for t in route(i, x))   # (replayed on the host)
+        stream = tier.stream
+        res: dict[str, list] = {}
+        for _ in range(a.rounds):
+            for arm in ("sync", "stream", "prefetch"):
+                tier.stream = None if arm == "sync" else stream
+                ex.wants_prefetch = ex.tier_prefetch = arm == "prefetch"
+                tier.timing(arm != "sync")
+                c0, p0, u0, k0 = tier.copies, tier.prefetches, tier.prefetch_used, tier.copy_calls
+                steps, _ = decode(eng.model, a.n)
+                calls = len(steps) + 8 + 1
+                nb, secs = tier.link()
+                res.setdefault(arm, []).append((statistics.median(steps), (tier.copies - c0) * rec / calls,
+                                                (tier.prefetches - p0) * rec / calls, tier.prefetch_used - u0,
+                                                tier.prefetches - p0, (tier.copy_calls - k0) / calls,
+                                                nb / secs if secs else 0.0))
+        tier.stream = stream
+        for arm, rows in res.items():
+            meds = [r[0] for r in rows]
+            med = statistics.median(meds)
+            up, pf = statistics.median(r[1] for r in rows), statistics.median(r[2] for r in rows)
+            used = sum(r[3] for r in rows) / sum(r[4] for r in rows) if arm == "prefetch" else 0.0
+            link = [r[6] / 1e9 for r in rows]
+            print(f"{a.layers} layers, {fmt} experts{', trace ' + Path(a.trace).stem if a.trace else ''}, VRAM tier {a.vram_frac:.2f} of the {bank_bytes / 1e9:.1f} GB bank "
+                  f"over pinned host (pinned: {ex.pinned}), arm {arm}: {1 / med:.1f} tok/s ({1e3 * med:.2f} ms per "
+                  f"token, rounds {', '.join(f'{1e3 * m:.2f}' for m in meds)}); {up / 1e6:.1f} MB copied on demand + "
+                  f"{pf / 1e6:.1f} MB prefetched per token (prefetched records used: {100 * used:.0f}%), "
+                  f"{statistics.median(r[5] for r in rows):.1f} copies per token; link bound at 55 GB/s for the "
+                  f"demand bytes {55e9 / max(up, 1):.0f} tok/s ({up / med / 55e9 * 100:.1f}% of it); link during "
+                  f"copies {', '.join(f'{x:.1f}' for x in link)} GB/s", flush=True)
 
 
 @torch.inference_mode()

@@ -27,18 +27,27 @@ from waste.layers.moe import MATRICES, Bank  # noqa: E402
 from waste.quant.formats import get_format  # noqa: E402
 
 
-def random_bank(fmt_name: str, h: int, inter: int, n: int) -> tuple[Bank, int]:
+def random_bank(fmt_name: str, h: int, inter: int, n: int, device: str = "cuda") -> tuple[Bank, int]:
     layout = expert_layout(fmt_name, {"hidden_size": h, "moe": {"intermediate_size": inter}})
-    rows = torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8, device="cuda")
+    rows = torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8, device=device)
+    bank = bank_views(rows, fmt_name, h, inter)
+    for m in MATRICES:
+        for t in bank.parts[m].values():
+            if t.is_floating_point():          # finite values where the format keeps floats (bf16 weights, scales)
+                t.copy_(torch.randn(t.shape, device=device) * 0.02)
+    return bank, layout.payload_bytes
+
+
+def bank_views(rows: torch.Tensor, fmt_name: str, h: int, inter: int) -> Bank:
+    """A Bank of [slots, ...] views over rows [slots, record_bytes] in the format's record layout."""
+    layout = expert_layout(fmt_name, {"hidden_size": h, "moe": {"intermediate_size": inter}})
+    n = rows.shape[0]
     parts = {m: {} for m in MATRICES}
     for p in layout.parts:
         m, _, suffix = p.name.partition(".")
-        t = rows[:, p.offset:p.offset + p.nbytes].view(_DTYPES[p.dtype]).view(n, *p.shape)
-        if t.is_floating_point():          # finite values where the format keeps floats (bf16 weights, scales)
-            t.copy_(torch.randn(t.shape, device="cuda") * 0.02)
-        parts[m][suffix] = t
+        parts[m][suffix] = rows[:, p.offset:p.offset + p.nbytes].view(_DTYPES[p.dtype]).view(n, *p.shape)
     shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
-    return Bank(parts, shapes, get_format(fmt_name)), layout.payload_bytes
+    return Bank(parts, shapes, get_format(fmt_name))
 
 
 def hbm_rate() -> float:

@@ -23,9 +23,10 @@ def container(tmp_path_factory):
     return convert(root / "src", root / "m.waste", experts="bf16", trunk="bf16", progress=False)
 
 
-def run(path, vram):
+def run(path, vram, prefetch=False):
     c = open_container(path)
     ex = ExpertCache(c, None, torch.float32, vram=vram, preload=False)
+    ex.tier_prefetch = ex.wants_prefetch = prefetch       # (off by default: LEARNED §10)
     try:
         f32 = set(c.manifest["trunk"].get("f32_tensors", []))
         m = build_model(c.family, c.config, assemble_trunk(c.load_trunk(), c.manifest["trunk"]), ex, torch.float32,
@@ -61,6 +62,21 @@ def test_a_tier_of_one_record_computes_in_rounds(container):
     assert ex.n_dev == 1 and torch.equal(out, ref)
 
 
+def test_tier_prefetch_copies_predicted_records_and_keeps_the_bits(container):
+    """Next-layer prefetch over the link: the predicted records go up while a layer computes, into slots that
+    layer does not read; with it on or off, the same bits as the whole bank, and some prefetched records used
+    (how many is the router's business: this random model's routing is hard to guess)."""
+    ref, _ = run(container, None)
+    k = qwen3_moe_config()["num_experts_per_tok"]
+    rec = open_container(container).manifest["experts"]["record_bytes"]
+    on, ex_on = run(container, 4 * k * rec, prefetch=True)
+    off, ex_off = run(container, 4 * k * rec)
+    assert ex_on.tier.prefetches > 0 and ex_off.tier.prefetches == 0
+    assert 0 < ex_on.tier.prefetch_used <= ex_on.tier.prefetches
+    assert ex_on.tier.copy_calls <= ex_on.tier_copies + ex_on.tier.prefetches    # runs of slots: one copy each
+    assert torch.equal(on, ref) and torch.equal(off, ref)
+
+
 def cli(*args):
     p = subprocess.run([sys.executable, "-m", "waste", *map(str, args)], capture_output=True, text=True, timeout=300)
     assert "Traceback" not in p.stderr, p.stderr
@@ -77,11 +93,13 @@ def test_plan_device_cuda_json_has_both_budgets(container):
     assert d["tiers"] == "vram over pinned host"
     big = json.loads(cli("plan", container, "--device", "cuda", "--vram", "100G", "--json").stdout)
     assert big["vram_budget_bytes"] == big["budget_bytes"] and big["tiers"] == "mirror"   # at most the host budget
-    assert json.loads(cli("plan", container, "--json").stdout)["device"] == "cpu"
+    assert json.loads(cli("plan", container, "--device", "cpu", "--json").stdout)["device"] == "cpu"
+    auto = json.loads(cli("plan", container, "--json").stdout)["device"]       # --device auto, the default
+    assert auto == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_vram_flag_errors_are_clear(container):
-    p = cli("run", container, "hi", "-n", "1", "--vram", "1G")           # --device cpu (the default)
+    p = cli("run", container, "hi", "-n", "1", "--vram", "1G", "--device", "cpu")
     assert p.returncode == 1 and "--vram sizes the GPU's expert tier: it needs --device cuda" in p.stderr
     p = cli("plan", container, "--device", "cuda", "--vram", "10")
     assert p.returncode == 1 and "smaller than one expert record" in p.stderr

@@ -165,9 +165,9 @@ def _engine_args(p):
                         "prefetch; outputs are the same bits either way)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     _prefill_chunk_arg(p)
-    p.add_argument("--device", default="cpu",
-                   help="cpu (default), or cuda: trunk and expert slab in GPU memory (bf16 / f16 / f32 / q8 experts; "
-                        "q4 / mxfp4 with triton installed); `auto` picks cuda when a GPU is present")
+    p.add_argument("--device", default="auto",
+                   help="auto (default: cuda when torch sees a GPU, else cpu), cpu to force the CPU, or cuda: trunk and "
+                        "expert slab in GPU memory (bf16 / f16 / f32 / q8 experts; q4 / mxfp4 with triton installed)")
     p.add_argument("--vram", default=None,
                    help="with --device cuda: expert records kept in GPU memory (bytes or K/M/G suffix); the rest of "
                         "the expert budget is a pinned host tier below them (default: what the GPU's free memory "
@@ -742,8 +742,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--placement", default="id", metavar="id|trace:FILE",
                     help="with --expert-parallel: experts in blocks of ids (default) or spread by a routing trace's "
                          "measured frequency (then each rank's share of the routed pairs is printed)")
-    pl.add_argument("--device", default="cpu", help="cpu (default), cuda or auto: with cuda, the two-tier plan "
-                    "(VRAM budget over the host budget)")
+    pl.add_argument("--device", default="auto", help="auto (default: cuda when a GPU is present), cpu or cuda: "
+                    "with cuda, the two-tier plan (VRAM budget over the host budget)")
     pl.add_argument("--vram", default=None, help="with --device cuda: plan this much GPU memory for expert records "
                     "(default: what this machine's GPU has free)")
     _prefill_chunk_arg(pl)

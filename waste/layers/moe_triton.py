@@ -29,39 +29,23 @@ TILES = {"float": (16, 256, 8), "q8": (16, 256, 8), "q4": (16, 64, 4), "mxfp4": 
 
 
 @triton.jit
-def _float_mv(x_ptr, sx, slot_ptr, w_ptr, ws, wn, y_ptr, sy, N, K, KDIV, NBLK, DW, DY,
-              BN: tl.constexpr, BK: tl.constexpr):
+def _pair(slot_ptr, y_ptr, DY, NBLK, N, BN: tl.constexpr):
+    """What every kernel's program starts from: its pair p, the pair's slot (0 where not held), whether this call
+    holds it, which of the launch's matrices, its BN output rows n, the output's base, the rows' mask."""
     p = tl.program_id(0)
     slot = tl.load(slot_ptr + p).to(tl.int64)
     held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
     slot = tl.maximum(slot, 0)
     which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
     n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
-    y_ptr = y_ptr + which * DY
-    nm = n < N
-    row = w_ptr + which * DW + slot * ws + n[:, None].to(tl.int64) * wn
-    xrow = x_ptr + (p // KDIV) * sx
-    acc = tl.zeros([BN], tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        km = k < K
-        xv = tl.load(xrow + k, mask=km, other=0.0).to(tl.float32)
-        w = tl.load(row + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * xv[None, :], 1)
-    tl.store(y_ptr + p * sy + n, tl.where(held, acc, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
+    return p, slot, held, which, n, y_ptr + which * DY, n < N
 
 
 @triton.jit
-def _q8_mv(x_ptr, sx, slot_ptr, w_ptr, ws, wn, s_ptr, ss, y_ptr, sy, N, K, KDIV, NBLK, DW, DS, DY,
-           BN: tl.constexpr, BK: tl.constexpr):
-    p = tl.program_id(0)
-    slot = tl.load(slot_ptr + p).to(tl.int64)
-    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
-    slot = tl.maximum(slot, 0)
-    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
-    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
-    y_ptr = y_ptr + which * DY
-    nm = n < N
+def _dense_mv(x_ptr, sx, slot_ptr, w_ptr, ws, wn, s_ptr, ss, y_ptr, sy, N, K, KDIV, NBLK, DW, DS, DY,
+              BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr):
+    # float W (SCALED false) or q8 codes with a scale per row (SCALED: y = (q x) * scale)
+    p, slot, held, which, n, y_ptr, nm = _pair(slot_ptr, y_ptr, DY, NBLK, N, BN)
     row = w_ptr + which * DW + slot * ws + n[:, None].to(tl.int64) * wn
     xrow = x_ptr + (p // KDIV) * sx
     acc = tl.zeros([BN], tl.float32)
@@ -69,10 +53,11 @@ def _q8_mv(x_ptr, sx, slot_ptr, w_ptr, ws, wn, s_ptr, ss, y_ptr, sy, N, K, KDIV,
         k = k0 + tl.arange(0, BK)
         km = k < K
         xv = tl.load(xrow + k, mask=km, other=0.0).to(tl.float32)
-        q = tl.load(row + k[None, :], mask=nm[:, None] & km[None, :], other=0).to(tl.float32)
-        acc += tl.sum(q * xv[None, :], 1)
-    s = tl.load(s_ptr + which * DS + slot * ss + n, mask=nm, other=0.0)
-    tl.store(y_ptr + p * sy + n, tl.where(held, acc * s, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
+        w = tl.load(row + k[None, :], mask=nm[:, None] & km[None, :], other=0).to(tl.float32)
+        acc += tl.sum(w * xv[None, :], 1)
+    if SCALED:
+        acc = acc * tl.load(s_ptr + which * DS + slot * ss + n, mask=nm, other=0.0)
+    tl.store(y_ptr + p * sy + n, tl.where(held, acc, 0.0).to(y_ptr.dtype.element_ty), mask=nm)
 
 
 @triton.jit
@@ -80,14 +65,7 @@ def _q4_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, sy, N, 
            BN: tl.constexpr, G: tl.constexpr):
     # int4pack's layout: rows in blocks of 64, byte j of column k of a full block holds rows j (low) and j + 32
     # (high); the tail block of nb rows holds rows 2j (low) and 2j + 1 (high). Both are base(n) + k * kstride(n).
-    p = tl.program_id(0)
-    slot = tl.load(slot_ptr + p).to(tl.int64)
-    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
-    slot = tl.maximum(slot, 0)
-    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
-    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
-    y_ptr = y_ptr + which * DY
-    nm = n < N
+    p, slot, held, which, n, y_ptr, nm = _pair(slot_ptr, y_ptr, DY, NBLK, N, BN)
     full = n < NFULL
     t = n - NFULL
     base = tl.where(full, (n // 64) * (K * 32) + (n % 32), NFULL * (K // 2) + t // 2).to(tl.int64)
@@ -150,14 +128,7 @@ def _q4_block_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, s
 @triton.jit
 def _mx_mv(x_ptr, sx, slot_ptr, b_ptr, bs, bn, e_ptr, es, en, lut_ptr, pow2_ptr, y_ptr, sy, N, K, KDIV, NBLK, DW, DS,
            DY, BN: tl.constexpr, BK: tl.constexpr):
-    p = tl.program_id(0)
-    slot = tl.load(slot_ptr + p).to(tl.int64)
-    held = slot >= 0                          # -1: this call does not hold the pair's expert; its row stays zero
-    slot = tl.maximum(slot, 0)
-    which = tl.program_id(1) // NBLK          # 0: the first matrix (gate, down), 1: the second (up)
-    n = (tl.program_id(1) % NBLK) * BN + tl.arange(0, BN)
-    y_ptr = y_ptr + which * DY
-    nm = n < N
+    p, slot, held, which, n, y_ptr, nm = _pair(slot_ptr, y_ptr, DY, NBLK, N, BN)
     brow = b_ptr + which * DW + slot * bs + n[:, None].to(tl.int64) * bn
     erow = e_ptr + which * DS + slot * es + n[:, None].to(tl.int64) * en
     xrow = x_ptr + (p // KDIV) * sx
@@ -214,14 +185,12 @@ def matvec(ms: tuple[str, ...], x: torch.Tensor, slots: torch.Tensor, bank: Bank
     sx = x.stride(0)
     dy = out.stride(0) if len(ms) == 2 else 0
     o = out[0]
-    if kind == "float":
-        w = ps[""]
-        _float_mv[grid](x, sx, slots, w, w.stride(0), w.stride(1), o, o.stride(0), N, K, kdiv, nblk,
-                        _delta(w, two[""]), dy, BN=bn, BK=bk, num_warps=warps)
-    elif kind == "q8":
-        w, s = ps["q"], ps["scale"]
-        _q8_mv[grid](x, sx, slots, w, w.stride(0), w.stride(1), s, s.stride(0), o, o.stride(0), N, K, kdiv, nblk,
-                     _delta(w, two["q"]), _delta(s, two["scale"]), dy, BN=bn, BK=bk, num_warps=warps)
+    if kind in ("float", "q8"):
+        w, s = (ps[""], None) if kind == "float" else (ps["q"], ps["scale"])
+        _dense_mv[grid](x, sx, slots, w, w.stride(0), w.stride(1), w if s is None else s, 0 if s is None else
+                        s.stride(0), o, o.stride(0), N, K, kdiv, nblk, _delta(w, two["q" if s is not None else ""]),
+                        0 if s is None else _delta(s, two["scale"]), dy, BN=bn, BK=bk, SCALED=s is not None,
+                        num_warps=warps)
     elif kind == "q4":
         q, sz = ps["q"], ps["sz"]
         g = K // sz.shape[1]
@@ -267,11 +236,20 @@ def pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, **tune) -> torch.Ten
     inter, hid = bank.shapes["gate"][0], bank.shapes["down"][0]
     gu = torch.empty(2, P, inter, dtype=xk.dtype, device=x.device)
     matvec(("gate", "up"), xk, flat, bank, gu, k, **tune)
-    h = bank.activate(gu[0], gu[1]).contiguous()
+    g, u = _biased(gu[0], bank, "gate", flat), _biased(gu[1], bank, "up", flat)
+    h = bank.activate(g, u).contiguous()
     y = torch.empty(1, P, hid, dtype=xk.dtype, device=x.device)
     matvec(("down",), h, flat, bank, y, 1, **tune)
-    y = y.view(T, k, hid)
+    y = _biased(y[0], bank, "down", flat).view(T, k, hid)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _biased(y: torch.Tensor, bank: Bank, m: str, flat: torch.Tensor) -> torch.Tensor:
+    """y + the pairs' biases where the records carry them (gpt-oss), none on -1 pairs (they stay zero)."""
+    b = bank.parts[m].get("bias")
+    if b is None:
+        return y
+    return y + torch.where((flat >= 0).unsqueeze(-1), b[flat.clamp_min(0)].to(y.dtype), 0)
 
 
 pairs.any_slots = True      # exact per pair at any number of rows, and -1 pairs left zero

@@ -72,7 +72,8 @@ class DecoderModel:
         self.bank = make_bank(self.device) if make_bank is not None and self.moe else None
         self.kernel = kernel_for(self.bank.fmt, self.device) if self.bank is not None else None
         # a GPU decode step is replayed as CUDA graphs once every expert is resident (graphs.py)
-        self.graphs = DecodeGraphs(self) if self.device.type == "cuda" and self.bank is not None else None
+        self.graphs = DecodeGraphs(self, DecoderModel.mlp_many) if self.device.type == "cuda" and self.bank is not None \
+            else None
         self._pool: list[list] = []             # states of finished sequences, emptied (take_state)
         self._pool_lock = threading.Lock()
 

@@ -27,8 +27,9 @@ MAX_STEP_GRAPHS = 8   # captured whole steps kept (least recently used dropped):
 
 
 class DecodeGraphs:
-    def __init__(self, model):
+    def __init__(self, model, base_mlp):
         self._model = weakref.ref(model)      # no cycle with the model: its graphs are freed when it is
+        self._base_mlp = base_mlp             # DecoderModel.mlp_many (unbound): what a MoE layer's graph captures
         self.mlps: dict[int, tuple] = {}
         self.steps: OrderedDict = OrderedDict()
         self.pool = None
@@ -87,7 +88,9 @@ class DecodeGraphs:
         g = self.mlps.get(i)
         if g is None:
             gx = x.clone()
-            graph, gy = self._capture(lambda: self.model.mlp_many(i, [gx])[0], self.model.experts)
+            # the base's MLP, which is what returns the replay: a family's own additions (Qwen3-Next's gated
+            # shared expert) run after it, eagerly, as they do around the eager path
+            graph, gy = self._capture(lambda: self._base_mlp(self.model, i, [gx])[0], self.model.experts)
             g = self.mlps[i] = (gx, gy, graph)
         gx, gy, graph = g
         gx.copy_(x)

@@ -45,7 +45,7 @@ class KimiK3(KimiLinear):
             self.res_keys = [(res_key(lw["self_attention_res_norm.weight"], lw["self_attention_res_proj.weight"]),
                               res_key(lw["mlp_res_norm.weight"], lw["mlp_res_proj.weight"])) for lw in self.layers]
             t = {k: v for k, v in trunk.items() if k.startswith("output_attn_res_")}
-            self.out_key = res_key(t["output_attn_res_norm.weight"], t["output_attn_res_proj.weight"])
+            self.out_key = res_key(t["output_attn_res_norm.weight"], t["output_attn_res_proj.weight"]).to(self.device)
 
     def route(self, i, x):
         m = self.moe   # renormalised only with more than one expert, as the release's router does

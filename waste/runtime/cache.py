@@ -29,6 +29,7 @@ from ..layers.gpu import cuda_kernels
 from ..layers.moe import MATRICES, Bank
 from .experts import ExpertStats, expert_act, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
+from .vram import Tier
 
 PREFETCH_MIN_PRECISION = 0.5   # of the predicted experts, the share the layer then needs (recent average)
 PRECISION_DECAY = 0.05         # weight of the newest prediction in that average (about the last 20 layer calls)
@@ -78,15 +79,12 @@ class ExpertCache:
         self.vram_bytes = self.n_dev * self.record_bytes
         self.dev_slab = (torch.empty(self.vram_bytes, dtype=torch.uint8, device=self.device)
                          if self.device.type != "cpu" or self.tiered else None)
-        if self.tiered:
-            self.dev_of = np.full(self.n_slots, -1, dtype=np.int64)     # host slot -> tier slot, -1: not up
-            self.host_of = np.full(self.n_dev, -1, dtype=np.int64)      # tier slot -> host slot
-            self.dev_used = np.zeros(self.n_dev, dtype=np.int64)        # the call that last used it (LRU)
-            self.calls = 0
-            self.tier_copies = 0
         # the host slab pinned (page-locked) for the GPU: its copies up run at the link's rate (55 GB/s on the H200
         # against 9.2 pageable, shared/reference/machine.md §E); False where the driver refused (speed only)
         self.pinned = self._pin() if self.device.type != "cpu" and self.n_slots else False
+        # the tier's maps and copies (runtime/vram.py): its own copy stream, events, next-layer prefetch
+        self.tier = Tier(self.slab, self.n_slots, self.dev_slab, self.n_dev, self.record_bytes) if self.tiered \
+            else None
         self._dirty: set[int] = set()
         self._dev_map: torch.Tensor | None = None      # device_map()
         self.slot_of: dict[tuple[int, int], int] = {}
@@ -120,7 +118,11 @@ class ExpertCache:
         self._stop = threading.Event()
         self.fill_thread = None
         self.fits = self.n_slots >= self.n_records
-        self.wants_prefetch = prefetch and not self.fits     # the whole bank fits: the fill reads it all anyway
+        # the whole bank fits: the fill reads it all anyway. tier_prefetch: also copy the predicted records up to a
+        # VRAM tier (off: on the H200 it cost more than it saved at the 48% precision of a random model, LEARNED §10)
+        self.tier_prefetch = False
+        self.wants_prefetch = prefetch and not self.fits
+        self._tier_next: list[int] | None = None     # host slots of the next layer's predicted experts (tier)
         if preload and self.fits and self.n_records:
             self.fill_thread = threading.Thread(target=self._fill, name="waste-fill", daemon=True)
             self.fill_thread.start()
@@ -162,7 +164,14 @@ class ExpertCache:
                 out.append(s)
         return out
 
+    @property
+    def tier_copies(self) -> int:
+        """Records copied up to the VRAM tier on demand (prefetched ones apart: tier.prefetches)."""
+        return self.tier.copies if self.tier is not None else 0
+
     def _read(self, key, slot) -> float:
+        if self.tier is not None:      # the slot's old record may still be on its way up
+            self.tier.sync()
         dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
         if self.repack and self.device.type == "cpu":   # this torch's CPU kernel wants another layout (q4 off AVX-512)
             prepare_record(self._slot_parts(slot), self.fmt, self.shapes)
@@ -176,48 +185,11 @@ class ExpertCache:
         with self.lock:
             dirty, self._dirty = self._dirty, set()
         if dirty and self.tiered:        # a host slot read anew: its tier copy (if any) is stale
-            for s in dirty:
-                d = self.dev_of[s]
-                if d >= 0:
-                    self.host_of[d], self.dev_of[s] = -1, -1
+            self.tier.stale(dirty)
         elif dirty:
             rows, dev = self.slab.view(self.n_slots, self.record_bytes), self.dev_slab.view(self.n_slots, -1)
             for s in sorted(dirty):
                 dev[s].copy_(rows[s])
-
-    def _tier(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Host slots -> tier slots: the records not up yet are copied into free or least recently used tier slots
-        (never one this group uses), -1 stays -1. A group is computed before the store yields the next (and on a
-        GPU the copies queue behind its kernels), so only its own slots are held; resident() makes groups of at
-        most n_dev experts."""
-        need = np.unique(np.concatenate([s.numpy().ravel() for s in slots]))
-        need = need[need >= 0]
-        self.calls += 1
-        up = self.dev_of[need]
-        in_call = set(up[up >= 0].tolist())
-        self.dev_used[up[up >= 0]] = self.calls
-        miss = need[up < 0]
-        if len(miss):
-            busy = np.zeros(self.n_dev, dtype=bool)
-            busy[list(in_call)] = True
-            cand = np.flatnonzero(~busy)
-            if len(cand) < len(miss):     # (resident() keeps groups within n_dev)
-                raise RuntimeError(f"a group of {len(need)} experts for a tier of {self.n_dev} slots")
-            # free slots first (never used: 0; stale: host_of -1), then the least recently used
-            key = np.where(self.host_of[cand] < 0, -1, self.dev_used[cand])
-            chosen = cand[np.argsort(key, kind="stable")[:len(miss)]]
-            rows, dev = self.slab.view(self.n_slots, self.record_bytes), self.dev_slab.view(self.n_dev, -1)
-            for s, d in zip(miss.tolist(), chosen.tolist()):
-                old = self.host_of[d]
-                if old >= 0:
-                    self.dev_of[old] = -1
-                dev[d].copy_(rows[s])        # from the pinned host slab: at the link's rate
-                self.host_of[d], self.dev_of[s] = s, d
-                self.dev_used[d] = self.calls
-                in_call.add(d)
-            self.tier_copies += len(miss)
-        lut = torch.from_numpy(self.dev_of)
-        return [torch.where(s >= 0, lut[s.clamp_min(0)], s) for s in slots]
 
     # -- background fill ---------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -317,6 +289,8 @@ class ExpertCache:
             if pred:
                 self.precision += PRECISION_DECAY * (len(pred.intersection(union)) / len(pred) - self.precision)
         per = max(min(self.n_slots, self.n_dev), 1)
+        if self.tier is not None:
+            self.tier.begin()
         for g in range(0, len(union), per):
             group = union[g:g + per]
             waits = self._make_resident(layer, group)
@@ -335,6 +309,9 @@ class ExpertCache:
                 lut = torch.full_like(self.slot_map[layer], -1)
                 lut[landed] = self.slot_map[layer, landed]
                 yield self._up([lut[i] for i in on_host]), False
+        if self._tier_next is not None:   # the layer's kernels are queued: the next layer's guesses go up beside them
+            self.tier.prefetch(self._tier_next)
+            self._tier_next = None
         self.policy.advance(self.step)
 
     def device_map(self) -> torch.Tensor | None:
@@ -354,7 +331,11 @@ class ExpertCache:
 
     def _up(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
         """The slots the kernels read: the compute tier's (copied up where missing), on the model's device."""
-        return self._to_device(self._tier(slots) if self.tiered else slots)
+        if self.tier is None:
+            return self._to_device(slots)
+        out = self._to_device(self.tier.up(slots))
+        self.tier.join()
+        return out
 
     def _to_device(self, slots: list[torch.Tensor]) -> list[torch.Tensor]:
         return slots if self.device.type == "cpu" else [s.to(self.device) for s in slots]
@@ -392,6 +373,10 @@ class ExpertCache:
         self._predicted[layer] = set(experts)
         if layer not in self.banks or self.precision < PREFETCH_MIN_PRECISION:
             return
+        if self.tier is not None and self.tier_prefetch:   # the host-resident ones go up the link after this layer's kernels are queued
+            with self.lock:
+                self._tier_next = [self.slot_of[(layer, e)] for e in experts
+                                   if (layer, e) in self.slot_of and (layer, e) not in self.loading]
         with self.lock:
             todo = [e for e in experts if (layer, e) not in self.slot_of]
             if not todo:
