@@ -54,6 +54,19 @@ def resolve_device(name: str) -> str:
     raise WasteError(f"unknown device {name!r}; choose cpu, cuda or auto")
 
 
+
+def spread_experts(model, experts, device) -> None:
+    """Streaming on the CPU (the bank does not fit): a decode row's routed experts are computed on as many threads as
+    torch has (layers/moe.py spread: this thread and one pool thread per extra core), since the numba kernel runs
+    on one and a streamed layer's compute is what its reads wait behind (docs/LEARNED.md §3j)."""
+    n = torch.get_num_threads()
+    if device != "cpu" or n < 2 or getattr(experts, "fits", True) or model.bank is None:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    model.expert_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="waste-experts")
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -301,6 +314,7 @@ class Engine:
             if experts_per_token is not None:
                 set_experts_per_token(model, experts_per_token)
             model.prefill_chunk = plan.prefill_chunk
+            spread_experts(model, experts, dev)
             if dump_dsa and hasattr(model, "dsa_dump"):
                 model.dsa_dump = _print_lines
         except BaseException:
@@ -385,6 +399,8 @@ class Engine:
         return self._chat_format
 
     def close(self) -> None:
+        if self.model.expert_pool is not None:
+            self.model.expert_pool.shutdown()
         self.experts.close()
         self.container.close()
 

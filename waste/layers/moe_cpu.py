@@ -108,7 +108,7 @@ def _kernels():
                     z = (g * N + n) * 2
                     y[n] += bf16(szs[z]) * (acc[j] - np.float32(8.0) * sx) + bf16(szs[z + 1]) * sx
 
-    @numba.njit(fastmath=True, cache=True)
+    @numba.njit(fastmath=True, cache=True, nogil=True)     # nogil: layers/moe.py spread
     def pairs_bf16(x_p, h, s_p, k, gw, uw, dw, os, inter, limit, out):
         x, slots = _at(x_p, (h,), np.float32), _at(s_p, (k,), np.int64)
         g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
@@ -123,7 +123,7 @@ def _kernels():
                 g[i] = act(g[i], u[i], limit)
             mv_bf16(dw, os[2, 0] + s * os[2, 1], g, out[p], tmp)
 
-    @numba.njit(fastmath=True, cache=True)
+    @numba.njit(fastmath=True, cache=True, nogil=True)     # nogil: layers/moe.py spread
     def pairs_f32(x_p, h, s_p, k, gw, uw, dw, os, inter, limit, out):
         x, slots = _at(x_p, (h,), np.float32), _at(s_p, (k,), np.int64)
         g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
@@ -137,7 +137,7 @@ def _kernels():
                 g[i] = act(g[i], u[i], limit)
             mv_f32(dw, os[2, 0] + s * os[2, 1], g, out[p])
 
-    @numba.njit(fastmath=True, cache=True)
+    @numba.njit(fastmath=True, cache=True, nogil=True)     # nogil: layers/moe.py spread
     def pairs_q8(x_p, h, s_p, k, gq, gs, uq, us, dq, ds, os, inter, limit, out):
         x, slots = _at(x_p, (h,), np.float32), _at(s_p, (k,), np.int64)
         g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
@@ -151,7 +151,7 @@ def _kernels():
                 g[i] = act(g[i], u[i], limit)
             mv_q8(dq, os[4, 0] + s * os[4, 1], ds, os[5, 0] + s * os[5, 1], g, out[p])
 
-    @numba.njit(fastmath=True, cache=True)
+    @numba.njit(fastmath=True, cache=True, nogil=True)     # nogil: layers/moe.py spread
     def pairs_q4(x_p, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, out):
         x, slots = _at(x_p, (h,), np.float32), _at(s_p, (k,), np.int64)
         acc = np.empty(BLOCK, np.float32)
