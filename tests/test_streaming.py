@@ -169,6 +169,7 @@ def _groups_run(container, ids, n, wait_fill=False, **kw):
         for _ in range(n):
             logits.append(m.forward(logits[-1][-1:].argmax(-1), st, pos))
             pos += 1
+        _groups_run.spread = eng.model.expert_pool is not None     # decode rows' experts over a pool's threads
         return torch.cat(logits), calls
 
 
@@ -187,11 +188,17 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
     assert all(g == 1 for _, g in ref_calls)
     with waste.load(c, dtype="float32", budget="1G", preload=False) as probe:
         ws = probe.plan.working_set_bytes
-    for budget in (ws, 3 * ws):
-        logits, calls = _groups_run(c, ids, 8, budget=budget, preload=False, threads=1)
-        assert torch.equal(logits, ref)
-        assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
-        assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
+    saved = torch.get_num_threads()
+    try:
+        for budget, compute in ((ws, 1), (ws, 2), (3 * ws, 2)):
+            torch.set_num_threads(compute)   # 2: a decode row's pairs dealt between two threads (layers/moe.py spread)
+            logits, calls = _groups_run(c, ids, 8, budget=budget, preload=False, threads=1)
+            assert _groups_run.spread == (compute > 1)
+            assert torch.equal(logits, ref)
+            assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
+            assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_next_layer_prefetch_is_bit_identical_and_reports_precision_and_recall(releases):

@@ -196,6 +196,7 @@ def cpu_rows(torch_kernel: Kernel) -> Kernel:
         return nb(x, slots) if nb is not None else torch_kernel(x, slots, bank)
     kernel.__name__ = f"cpu_rows({torch_kernel.__name__})"
     kernel.per_matrix = getattr(torch_kernel, "per_matrix", False)
+    kernel.numba_rows = True
     return kernel
 
 
@@ -222,6 +223,8 @@ def expert_pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, kernel: Kerne
         return kernel(x, slots, bank)
     if slots.shape[0] != 1:
         return segments(x, slots, bank)        # one matmul per expert over all its rows: the same in any group
+    if getattr(kernel, "numba_rows", False) and _numba_row(x, bank):
+        return bank.row_kernel()(x, slots)     # numba computes only the pairs it is given, each alone
     valid = slots >= 0
     held = slots[valid]
     if not held.numel():
@@ -249,8 +252,9 @@ def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, b
     and the weighted sum is taken once over all of them, so the result is the same bits however the reads landed.
     pool: threads that take every other pair of a single CPU decode row (numba, exact per pair) while this thread
     computes the rest and goes on to the next group (`spread`)."""
-    if pool is not None and len(xs) == 1 and _numba_row(xs[0], bank):
-        return [weighted_sum(spread(xs[0], groups, bank, pool), weights[0])]
+    if pool is not None and len(xs) == 1 and xs[0].shape[0] == 1 and (
+            getattr(kernel, "per_matrix", False) or _numba_row(xs[0], bank)):
+        return [weighted_sum(spread(xs[0], groups, bank, kernel, pool), weights[0])]
     pairs = None
     for slots, complete in groups:
         part = [expert_pairs(x, s, bank, kernel, complete) for x, s in zip(xs, slots)]
@@ -267,12 +271,13 @@ def _numba_row(x: torch.Tensor, bank: Bank) -> bool:
     return x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu" and bank.row_kernel() is not None
 
 
-def spread(x: torch.Tensor, groups, bank: Bank, pool) -> torch.Tensor:
+def spread(x: torch.Tensor, groups, bank: Bank, kernel: Kernel, pool) -> torch.Tensor:
     """One decode row's pairs [1, k, h] over this thread and a pool's: the pairs are dealt in turn, as their groups
     land, to the pool (which computes them in the background) and to this thread, so the expert compute of a
-    streamed layer runs on more than one core while its reads land. The numba kernel computes each pair with the
-    same loops on one thread and leaves the pairs it is not given zero, so the bits are those of one call."""
-    nb, out, theirs, turn = bank.row_kernel(), None, [], 0
+    streamed layer runs on more than one core while its reads land. Only for kernels that compute just the pairs
+    they are given, each alone (numba's row kernel, per-matrix formats; both release the GIL), so the bits are
+    those of one call."""
+    out, theirs, turn = None, [], 0
     for (slots,), _ in groups:
         if out is None:
             out = x.new_zeros(1, slots.shape[1], x.shape[-1])
@@ -281,9 +286,9 @@ def spread(x: torch.Tensor, groups, bank: Bank, pool) -> torch.Tensor:
         keep = sorted(set(valid) - set(give))
         turn = (turn + len(valid)) % 2
         if give:
-            theirs.append((give, pool.submit(nb, x, _only(slots, give))))
+            theirs.append((give, pool.submit(expert_pairs, x, _only(slots, give), bank, kernel, False)))
         if keep:
-            out[0, keep] = nb(x, _only(slots, keep))[0, keep]
+            out[0, keep] = expert_pairs(x, _only(slots, keep), bank, kernel, False)[0, keep]
     for give, f in theirs:
         out[0, give] = f.result()[0, give]
     return out
