@@ -31,6 +31,8 @@ Every waste arm is set over every peer arm (ratio = waste tok/s / peer tok/s). A
 on 1 thread, `+passive` with OMP_WAIT_POLICY=PASSIVE, `+bf16` with waste's --dtype bfloat16 (diagnostics).
 `--laptop SIZE` runs every arm cold under ../shared/tools/laptop (drop caches, a memory cgroup of SIZE) with
 waste's budget planned for it and llama.cpp reading through mmap.
+`--feed random` feeds every arm's decode steps the same seeded random tokens (its greedy tokens are still
+reported): a random-weight model's greedy output repeats one token, whose experts then always hit the cache.
 docs/LEARNED.md §7 has the results and the exact commands. Nothing here is a test.
 """
 from __future__ import annotations

@@ -149,9 +149,9 @@ def test_bench_with_random_tokens_and_uniform_routing(releases):
         assert lookups == 6 * m.top_k * len(eng.container.banks)
 
 
-def _groups_run(container, ids, n, wait_fill=False, **kw):
+def _groups_run(container, ids, n, wait_fill=False, dtype="float32", **kw):
     """run() with every residency call's groups counted: [(rows of the first sequence, groups yielded)]."""
-    with waste.load(container, dtype="float32", **kw) as eng:
+    with waste.load(container, dtype=dtype, **kw) as eng:
         if wait_fill:
             eng.experts.wait_fill()
         cache, calls = eng.experts, []
@@ -322,3 +322,28 @@ def test_route_diff_separates_set_and_rank_agreement(releases, tmp_path):
     assert same["set"] == same["rank"] == 1.0 and same["tokens"] > 3
     assert set(other["layers"]) == set(same["layers"]) and other["rank"] <= other["set"] <= 1.0
     assert other["set"] > 0.5
+
+
+def test_decode_experts_spread_over_threads_are_bit_identical_in_bfloat16(releases, tmp_path):
+    """Streaming on the CPU with two torch threads, a decode row's pairs are dealt between this thread and a pool's
+    (layers/moe.py spread), here through torch's int4 kernel one pair at a time (bf16 compute); the logits are the
+    same bits as with one thread (no pool) and with the whole bank resident."""
+    from waste.convert.convert import convert
+
+    _, src, _ = releases["qwen3_moe"]
+    c = convert(src, tmp_path / "q4.waste", experts="q4", trunk="bf16", progress=False)
+    ids = list(range(5, 29))
+    with waste.load(c, dtype="bfloat16", budget="1G", preload=False) as probe:
+        ws = probe.plan.working_set_bytes
+    saved = torch.get_num_threads()
+    out = {}
+    try:
+        for name, compute, budget in (("resident", 2, None), ("one", 1, ws), ("spread", 2, ws)):
+            torch.set_num_threads(compute)
+            logits, calls = _groups_run(c, ids, 8, budget=budget, preload=budget is None, wait_fill=budget is None,
+                                        dtype="bfloat16", threads=1)
+            out[name] = logits, _groups_run.spread
+    finally:
+        torch.set_num_threads(saved)
+    assert out["spread"][1] and not out["one"][1] and not out["resident"][1]
+    assert torch.equal(out["spread"][0], out["one"][0]) and torch.equal(out["spread"][0], out["resident"][0])
