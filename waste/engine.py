@@ -260,7 +260,7 @@ class Engine:
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
              experts_per_token: int | None = None, dump_dsa: bool | None = None, device: str = "cpu",
-             prefetch: bool = True, vram=None, expert_parallel=None, prefill_chunk: int | None = None) -> "Engine":
+             prefetch: bool = False, vram=None, expert_parallel=None, prefill_chunk: int | None = None) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
         WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). experts_per_token:
         route each token to this many experts instead of the release's number (1 .. that; a quality trade).
@@ -268,7 +268,8 @@ class Engine:
         device: "cpu", "auto", or "cuda" (the trunk and the expert slab in GPU memory; float and q8 expert formats,
         q4 and mxfp4 with triton). vram (cuda): bytes or "8G" of expert records in GPU memory, the rest of the
         budget a pinned host tier below them (runtime/vram.py; default: what the GPU's free memory holds). prefetch: read the next MoE layer's predicted experts while this one
-        computes (the same bits either way). expert_parallel: this process's runtime.parallel.ExpertParallel (it
+        computes (the same bits either way; off by default: it did not measure faster, docs/LEARNED.md §3j).
+        expert_parallel: this process's runtime.parallel.ExpertParallel (it
         holds and plans for its share of the experts; the others' are computed by their ranks). prefill_chunk: a
         prompt runs through the model this many tokens at a time (None: the plan's choice); each chunk's tokens
         share its expert reads."""
