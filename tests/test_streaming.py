@@ -130,6 +130,7 @@ def test_plan_and_bench_cli(releases):
                         "--budget", str(2 * d["working_set_bytes"])], capture_output=True, text=True, check=True)
     b = json.loads(p.stdout)
     assert b["decode"]["tokens"] == 4 and b["disk_bandwidth_gb_per_s"] > 0
+    assert b["plan_bytes"] > b["budget_bytes"] == 2 * d["working_set_bytes"] and b["peak_rss_bytes"] > 0
     assert b["decode"]["bytes_read"] == b["decode"]["misses"] * b["record_bytes"]
 
 
