@@ -58,9 +58,10 @@ def resolve_device(name: str) -> str:
 def spread_experts(model, experts, device) -> None:
     """Streaming on the CPU (the bank does not fit): a decode row's routed experts are computed on as many threads as
     torch has (layers/moe.py spread: this thread and one pool thread per extra core), since the numba kernel runs
-    on one and a streamed layer's compute is what its reads wait behind (docs/LEARNED.md §3j)."""
+    on one and a streamed layer's compute is what its reads wait behind (docs/LEARNED.md §3j). Not under expert
+    parallel (its ranks compute the pairs)."""
     n = torch.get_num_threads()
-    if device != "cpu" or n < 2 or getattr(experts, "fits", True) or model.bank is None:
+    if device != "cpu" or n < 2 or getattr(experts, "fits", True) or model.bank is None or hasattr(experts, "exchange"):
         return
     from concurrent.futures import ThreadPoolExecutor
 
