@@ -5,5 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".[test]"
+# the Kimi K3 vision oracle (tests/test_vision_kimi_k3.py) without its declared dependencies (opencv, datasets,
+# mlx-audio...): what its kimi_k3 model and processor import is already here (mlx, transformers, Pillow: the extra)
+python3 -m pip install -q --no-deps "mlx-vlm==0.7.10"
 export OPENBLAS_NUM_THREADS=1
 python3 -m pytest "$@"

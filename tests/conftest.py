@@ -22,3 +22,21 @@ def releases(tmp_path_factory):
         src = save_release(m, root / name)
         out[name] = (m, src, convert(src, root / f"{name}.waste", experts="bf16", trunk="bf16", progress=False))
     return out
+
+
+@pytest.fixture(scope="module")
+def qwen3(releases, tmp_path_factory):
+    """Per module: the Qwen3-MoE release with Qwen3's own template (serve_util.qwen3_container), loaded and served
+    on a uvicorn thread: (ThreadServer, Engine). A skip when the template is absent. (test_chat.py has its own.)"""
+    from serve_util import QWEN3, ThreadServer, qwen3_container
+
+    import waste
+    from waste.serve.app import ServerState
+
+    if not QWEN3.is_file():
+        pytest.skip(f"{QWEN3} is absent")
+    eng = waste.load(qwen3_container(releases, tmp_path_factory.mktemp("qwen3_served")))
+    srv = ThreadServer(ServerState(engine=eng))
+    yield srv, eng
+    srv.stop()
+    eng.close()

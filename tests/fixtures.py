@@ -39,23 +39,32 @@ def _randomise(model, seed: int):
                 b.copy_(b.to(torch.bfloat16).to(b.dtype))
 
 
+def oracle_model(config, seed: int):
+    """transformers' causal LM for `config` in float32 with eager attention and experts, its weights seeded and
+    randomised (_randomise)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                         experts_implementation="eager").float().eval()
+    _randomise(m, seed)
+    return m
+
+
 def qwen3_moe_model(seed: int = 0, **over):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
               norm_topk_prob=True, mlp_only_layers=[0], rms_norm_eps=1e-6, max_position_embeddings=512,
               tie_word_embeddings=False, eos_token_id=0, pad_token_id=0, bos_token_id=None)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(Qwen3MoeConfig(**kw), seed)
     return m
 
 
 def kimi_linear_model(seed: int = 0, **over):
-    from transformers import AutoModelForCausalLM, KimiLinearConfig
+    from transformers import KimiLinearConfig
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=5,
               num_attention_heads=4, num_key_value_heads=4,
@@ -65,10 +74,7 @@ def kimi_linear_model(seed: int = 0, **over):
               num_experts_per_token=2, num_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.446,
               pad_token_id=0, bos_token_id=1, eos_token_id=0, rms_norm_eps=1e-5, tie_word_embeddings=False)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(KimiLinearConfig(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(KimiLinearConfig(**kw), seed)
     return m
 
 
@@ -96,6 +102,92 @@ def greedy_pair(hf, engine, ids: torch.Tensor, n: int = 32) -> tuple[list[int], 
         ref = hf.generate(ids[None], max_new_tokens=n, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(ids):].tolist()
     return ref, greedy(engine, ids.tolist(), n)
+
+
+def chat_release(dst: Path, model, specials: list[str], template: Path, **tokenizer_config) -> dict[str, int]:
+    """A release with a chat template at dst: a byte-level tokenizer whose `specials` are single tokens (the first
+    the end of text; `tokenizer_config` merged into tokenizer_config.json), the model by its save_pretrained, and
+    `template` as chat_template.jinja where that file exists. Returns the specials' ids."""
+    import json
+    import shutil
+
+    dst.mkdir(parents=True)
+    write_tokenizer(dst, TOKENIZER_TEXT, vocab_size=300, specials=specials)
+    tc = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**tc, **tokenizer_config}))
+    model.save_pretrained(dst)
+    if template.is_file():
+        shutil.copy(template, dst / "chat_template.jinja")
+    return {v["content"]: int(k) for k, v in tc["added_tokens_decoder"].items()}
+
+
+def mtp_layer(src: Path, n_layers: int, extra: tuple = (), config: dict | None = None) -> None:
+    """What DeepSeek's and GLM's releases carry after the last decoder layer: the MTP module at
+    model.layers.{n_layers} (a copy of the last layer plus `extra` (name, shape) tensors of ones); `config` merged
+    into config.json."""
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(src / "model.safetensors"))
+    last = f"model.layers.{n_layers - 1}."
+    for k in [k for k in t if k.startswith(last)]:
+        t[k.replace(last, f"model.layers.{n_layers}.")] = t[k].clone()
+    for name, shape in extra:
+        t[f"model.layers.{n_layers}.{name}"] = torch.ones(shape)
+    save_file(t, str(src / "model.safetensors"))
+    if config:
+        import json
+
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, **config}))
+
+
+def converted(root: Path, hf, src: Path, name: str, **fmt) -> dict:
+    """An oracle test's fixture: the release at src converted (bf16 experts and trunk unless `fmt` says) and
+    loaded in float32 beside its transformers model; the caller closes d["eng"]."""
+    import waste
+    from waste.convert.convert import convert
+
+    kw = {"experts": "bf16", "trunk": "bf16", **fmt}
+    out = convert(src, root / f"{name}.waste", progress=False, **kw)
+    return {"hf": hf, "src": src, "out": out, "eng": waste.load(out, dtype="float32"), "root": root}
+
+
+def hf_routes(model, ids: torch.Tensor, router: str = "gate"):
+    """transformers' all-position logits and the experts each MoE layer's router (`mlp.<router>`) chose."""
+    routes, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, router):
+            hooks.append(getattr(layer.mlp, router).register_forward_hook(
+                lambda mod, inp, out, i=i: routes.__setitem__(i, out[2].clone())))
+    return hooked_logits(model, ids, hooks), routes
+
+
+def check_logits_and_routes(hf, model, ids: torch.Tensor, bound: float, moe_layers, name: str,
+                            router: str = "gate") -> float:
+    """All-position logits within `bound` relative L2 of transformers', the same experts on every MoE layer (exactly
+    `moe_layers`) and token. Returns the error."""
+    ref, ref_routes = hf_routes(hf, ids, router)
+    logits, ours = routed_forward(model, ids)
+    err = rel_l2(logits, ref)
+    print(f"{name} logits rel L2 {err:.2e}")
+    assert err < bound
+    assert sorted(ours) == list(moe_layers)
+    assert_same_routes(ours, ref_routes)
+    return err
+
+
+def check_split(model, ids: torch.Tensor, n_decode: int, bound: float, name: str) -> None:
+    """A prefill then n_decode single-token steps equal one forward: within `bound`, the same argmax everywhere."""
+    split, full = split_and_whole(model, ids, n_decode)
+    print(f"{name} split {rel_l2(split, full):.2e}")
+    assert rel_l2(split, full) < bound
+    assert torch.equal(split.argmax(-1), full.argmax(-1))
+
+
+def check_greedy(hf, engine, ids: torch.Tensor) -> None:
+    """32 greedy tokens identical to transformers'."""
+    ref, got = greedy_pair(hf, engine, ids)
+    assert got == ref and len(ref) == 32
 
 
 def hooked_logits(hf, ids: torch.Tensor, hooks: list) -> torch.Tensor:

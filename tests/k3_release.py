@@ -33,8 +33,34 @@ MXFP4_CONFIG = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quan
                 "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
                            "lm_head", "re:vision_tower.*", "re:mm_projector.*"]}
 MLA_LAYERS = [2, 5]          # 0-based: full_attn_layers [3, 6] are 1-indexed
-VISION = {"vision_tower.patch_embed.proj.weight": [32, 3, 14, 14], "vision_tower.encoder.norm.weight": [32],
-          "mm_projector.proj.0.weight": [80, 128]}
+# MoonViT (mlx-vlm 0.7.10's kimi_k3 VisionConfig keys), tiny: q/k/v wider than the residual as in the release
+# (1536 for 1024), an 8x8 position table that every image's grid resizes, two blocks
+VISION_CONFIG = dict(model_type="moonvit3d", patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8,
+                     init_pos_emb_time=4, pos_emb_type="divided_fixed", pos_emb_interpolation_mode="bilinear",
+                     vt_num_attention_heads=2, vt_num_hidden_layers=2, vt_hidden_size=32, vt_intermediate_size=64,
+                     qkv_hidden_size=48, norm_type="rmsnorm", mlp_type="mlp2", activation_func="gelu_pytorch_tanh",
+                     attn_bias=False, linear_bias=False, patch_embed_proj_bias=False, merge_kernel_size=[2, 2],
+                     merge_type="sd2_tpool", mm_projector_type="patchmergerv2", mm_hidden_size=32,
+                     projector_hidden_act="gelu", projector_ln_eps=1e-5, text_hidden_size=TEXT["hidden_size"])
+
+
+def vision_shapes(v: dict = VISION_CONFIG, text_hidden: int = TEXT["hidden_size"]) -> dict[str, list[int]]:
+    """The tower's and projector's checkpoint names -> shapes (the release's `vision_tower.*`, `mm_projector.*`)."""
+    d, q, i, p = v["vt_hidden_size"], v["qkv_hidden_size"], v["vt_intermediate_size"], v["patch_size"]
+    m = d * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]
+    out = {"vision_tower.patch_embed.proj.weight": [d, 3, p, p],
+           "vision_tower.patch_embed.pos_emb.weight": [v["init_pos_emb_height"], v["init_pos_emb_width"], d],
+           "vision_tower.encoder.final_layernorm.weight": [d],
+           "mm_projector.proj.0.weight": [m, m], "mm_projector.proj.2.weight": [text_hidden, m],
+           "mm_projector.post_norm.weight": [text_hidden]}
+    for b in range(v["vt_num_hidden_layers"]):
+        k = f"vision_tower.encoder.blocks.{b}."
+        out.update({k + "norm0.weight": [d], k + "norm1.weight": [d], k + "wqkv.weight": [3 * q, d],
+                    k + "wo.weight": [d, q], k + "mlp.fc0.weight": [i, d], k + "mlp.fc1.weight": [d, i]})
+    return out
+
+
+VISION = vision_shapes()
 
 
 def _matrix(g, shape, scale=1.0):
@@ -105,8 +131,13 @@ def release_tensors(cfg: dict, experts: str, seed: int) -> dict[str, torch.Tenso
                 else:
                     t[f"{name}.weight"] = _matrix(g, [rows, cols], 2.0)
     out = {f"language_model.{k}": v.contiguous() for k, v in t.items()}
-    for k, shape in VISION.items():
-        out[k] = _matrix(g, shape)
+    for k, shape in vision_shapes(text_hidden=D).items():
+        if "pos_emb" in k:
+            out[k] = (0.5 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+        elif len(shape) == 1:
+            out[k] = _norm(g, shape)
+        else:
+            out[k] = _matrix(g, shape) if len(shape) == 2 else (torch.randn(shape, generator=g) * 0.03).to(torch.bfloat16)
     return out
 
 
@@ -117,7 +148,7 @@ def write_release(dst: Path, experts: str = "mxfp4", seed: int = 0, shards: int 
     if experts == "mxfp4":
         text["quantization_config"] = MXFP4_CONFIG
     cfg = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
-           "vision_config": {"vt_hidden_size": 32, "vt_num_hidden_layers": 1}, "bos_token_id": 1, "eos_token_id": 0,
+           "vision_config": {**VISION_CONFIG, "text_hidden_size": text["hidden_size"]}, "bos_token_id": 1, "eos_token_id": 0,
            "tie_word_embeddings": False}
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     tensors = release_tensors(text, experts, seed)
@@ -135,9 +166,11 @@ def write_release(dst: Path, experts: str = "mxfp4", seed: int = 0, shards: int 
 
 
 # Kimi's tiktoken layout: 256 reserved ids after the BPE ranks. The config pins bos (+0), eos (+2), the image
-# placeholder (+21) and pad (+255); the XTML markers' ids are this fixture's choice.
+# pad (+21: media_placeholder_token_id 163605, `<|media_pad|>` since Kimi-VL, its markers before it as in Kimi
+# K2.5's config) and pad (+255); the XTML markers' and the template's image placeholder's ids are this fixture's.
 K3_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
-               21: "<|kimi_image_placeholder|>", 255: "[PAD]"}
+               18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
+               22: "<|kimi_image_placeholder|>", 255: "[PAD]"}
 
 
 def write_k3_tokenizer(d: Path, ranks: dict[bytes, int]) -> int:

@@ -5,10 +5,10 @@ thinking blocks, stop sequences, both ways of sending the key, and refusals by n
 import anthropic
 import httpx
 import pytest
+from chat_util import force_generation
 from serve_util import QWEN3, ThreadServer, qwen3_container
 
 import waste
-from waste.engine import Decoding
 from waste.serve.app import ServerState
 
 pytestmark = pytest.mark.skipif(not QWEN3.is_file(), reason=f"{QWEN3} is absent (tests/data/templates is incomplete)")
@@ -31,18 +31,6 @@ def served(releases, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(served):
     return anthropic.Anthropic(base_url=served[0].url, api_key=KEY, max_retries=0, timeout=120)
-
-
-def force(monkeypatch, ids):
-    real = Decoding.sample
-
-    def sample(self, logits):
-        real(self, logits)
-        tok = ids[min(len(self.token_ids) - 1, len(ids) - 1)]
-        self.token_ids[-1] = tok
-        return tok
-
-    monkeypatch.setattr(Decoding, "sample", sample)
 
 
 def test_create_and_stream_agree(client):
@@ -87,7 +75,7 @@ def test_tool_round_trip(client, stream):
 
 def test_thinking_and_stop_sequences(client, served, monkeypatch):
     tok = served[1].tokenizer
-    force(monkeypatch, tok.encode("<think>\nhmm\n</think>\n\nAnswer: 42 STOP more", allow_special=True))
+    force_generation(monkeypatch, tok.encode("<think>\nhmm\n</think>\n\nAnswer: 42 STOP more", allow_special=True))
     kw = dict(model="q", max_tokens=40, messages=[{"role": "user", "content": "Q?"}], stop_sequences=["STOP"],
               thinking={"type": "enabled", "budget_tokens": 16})
     m = client.messages.create(**kw)

@@ -1,7 +1,6 @@
 """`waste chat` driven through a pseudo-terminal, as a person meets it: the reply on screen is the one the API
 gives, history and /system and /reset show in the prompt's token count, multi-line input, Ctrl-C stops a
 reply and keeps the session, reasoning is dimmed or hidden, /exit and Ctrl-D leave."""
-import io
 import json
 import os
 import re
@@ -11,6 +10,7 @@ import sys
 import pytest
 
 import waste
+from chat_util import waste_chat_session
 from fixtures import TOKENIZER_TEXT
 from waste.chat import load_chat_format, normalise_messages
 from waste.chat_cli import DIM, RESET, visible
@@ -179,33 +179,17 @@ def test_reasoning_is_dimmed(thinking):
 def test_hidden_reasoning_and_a_plain_pipe(thinking, monkeypatch):
     """--hide-reasoning, in process (the same Session the command runs) with input from a list and stdout not
     a terminal: no escape codes, only the content; EOF leaves."""
-    from waste.chat_cli import Session
-    from waste.cli import build_parser
-
     ref = Reference(thinking, 8)
     try:
         want = ref.reply([{"role": "user", "content": "hello"}])
-        lines = iter(["hello"])
-
-        def fake_input(prompt=""):
-            try:
-                return next(lines)
-            except StopIteration:
-                raise EOFError from None
-
-        monkeypatch.setattr("builtins.input", fake_input)
-        out, err = io.StringIO(), io.StringIO()
         for hide in (True, False):
-            lines = iter(["hello"])
-            out.seek(0)
-            out.truncate()
-            args = build_parser().parse_args(["chat", str(thinking), "-n", "8", *(["--hide-reasoning"] if hide else [])])
-            Session(ref.engine, args, out=out, err=err).loop()
+            argv = ["chat", str(thinking), "-n", "8", *(["--hide-reasoning"] if hide else [])]
+            s, shown = waste_chat_session(ref.engine, monkeypatch, argv, ["hello"])
             if hide:
-                assert out.getvalue() == visible(want.content) + "\n\n"
+                assert shown == visible(want.content) + "\n\n"
             else:
                 body = "\n\n" + visible(want.content) if want.content else ""
-                assert out.getvalue() == visible(want.reasoning_content) + body + "\n\n"
-        assert STATS.search(err.getvalue()) and DIM not in err.getvalue() + out.getvalue()
+                assert shown == visible(want.reasoning_content) + body + "\n\n"
+            assert STATS.search(s.err.getvalue()) and DIM not in s.err.getvalue() + shown
     finally:
         ref.close()

@@ -3,26 +3,23 @@ gpt-oss container whose tokenizer carries the harmony markers as special tokens;
 `reasoning_content` (the analysis channel) and `tool_calls` (messages to functions.NAME) through Engine.chat, the
 server and `waste chat`. Replies with a known shape are forced (the sampler's choice is replaced), so the rest of
 the path (end ids, detokenizing, the parser, finish_reason) is the real one. openai-harmony (OpenAI's own renderer
-and parser) is the second reference where its o200k vocabulary is on this machine."""
-import io
+and parser) is the second reference, on the genuine o200k vocabulary rebuilt offline from quicktok-v1's copy."""
 import json
 import os
 import re
 import shutil
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 import torch
-from serve_util import ThreadServer, sse_events
-from test_chat_kimi_k3 import force_generation
+import chat_util
+from chat_util import ASK, TOOLS, assert_tool_call_route, chat_tool_call_round, force_generation, waste_chat_session
+from serve_util import ThreadServer
 from test_oracle_gpt_oss import gpt_oss_model
 
 import waste
 from waste.convert.convert import convert
 from waste.convert.synthetic import write_tokenizer
-from waste.engine import Decoding
 from waste.serve.app import ServerState
 from waste.text.harmony import HarmonyParser
 from waste.text.parsers import MARKUPS, collect, parser_for
@@ -34,11 +31,6 @@ SPECIALS = ("<|return|>", "<|endoftext|>", "<|startoftext|>", "<|start|>", "<|en
 MARKERS = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 CORPUS = ("The user wants the weather. Checking the weather now. get_weather city Paris days 3 temp 21 "
           "It is sunny. analysis final commentary functions json assistant user system ") * 4
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "properties": {
-                                               "city": {"type": "string"}, "days": {"type": "integer"}},
-                                               "required": ["city"]}}}]
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
 # after the prompt's `<|start|>assistant`: reasoning, a preamble, then a call (its <|call|> is an end id)
 CALL = ('<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant<|channel|>commentary'
         '<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather '
@@ -104,8 +96,7 @@ def oss(tmp_path_factory):
 
 def ids_of(tok, text: str) -> list[int]:
     """Model output as token ids: harmony markers as their special ids, the rest as text."""
-    return [i for part in MARKERS.split(text) if part
-            for i in ([tok.token_to_id(part)] if MARKERS.fullmatch(part) else tok.encode(part))]
+    return chat_util.ids_of(tok, text, MARKERS)
 
 
 def test_template_renders_and_stops(oss):
@@ -124,17 +115,9 @@ def test_template_renders_and_stops(oss):
 
 def test_engine_chat_reasoning_tool_call_and_result_round_trip(oss, monkeypatch):
     tok = oss.tokenizer
-    force_generation(monkeypatch, ids_of(tok, CALL) + tok.encode(" junk"))
-    c = oss.chat(ASK, tools=TOOLS, max_tokens=200)
-    assert c.reasoning_content == "The user wants the weather." and c.content == "Checking."
-    assert c.finish_reason == "tool_calls" and len(c.tool_calls) == 1
-    call = c.tool_calls[0]
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    history, text = chat_tool_call_round(oss, monkeypatch, ids_of(tok, CALL))
     # the call, its reasoning (as the template's `thinking`) and the result go back in harmony
     # (the template takes reasoning or content beside a call, not both: the preamble is left out)
-    history = [*ASK, c.message(), {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
-    text = oss.chat_format().render(history, tools=TOOLS).text
     assert ("<|start|>assistant<|channel|>analysis<|message|>The user wants the weather.<|end|>"
             '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
             '{"city": "Paris", "days": 3}<|call|>') in text
@@ -156,23 +139,8 @@ def server(oss):
 
 def test_server_chat_route(oss, server, monkeypatch):
     force_generation(monkeypatch, ids_of(oss.tokenizer, CALL))
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    r = client.chat.completions.create(model="oss", messages=ASK, tools=TOOLS, max_tokens=200, reasoning_effort="low")
-    m = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and m.content == "Checking."
-    assert m.reasoning_content == "The user wants the weather."
-    assert m.tool_calls[0].function.name == "get_weather"
-    assert json.loads(m.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
-            "model": "oss", "messages": ASK, "tools": TOOLS, "max_tokens": 200, "stream": True}) as s:
-        events = sse_events(s.iter_lines())
-    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
-    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "The user wants the weather."
-    assert "".join(d.get("content") or "" for d in deltas) == "Checking."
-    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert calls[0]["function"]["name"] == "get_weather"
-    assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == {"city": "Paris", "days": 3}
-    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    client, m = assert_tool_call_route(server.url, "oss", "The user wants the weather.", "Checking.",
+                                       {"city": "Paris", "days": 3}, reasoning_effort="low")
     follow = [*ASK, m.model_dump(exclude_none=True),
               {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": '{"temp": 21}'}]
     force_generation(monkeypatch, ids_of(oss.tokenizer, ANSWER))
@@ -184,36 +152,11 @@ def test_server_chat_route(oss, server, monkeypatch):
 def test_waste_chat_session(oss, tmp_path, monkeypatch):
     """`waste chat --tools FILE`, in process (the Session the command runs): reasoning, the tool call as the screen
     shows it, then `/result` answers it and the model replies."""
-    from waste.chat_cli import Session
-    from waste.cli import build_parser
-
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))
-    replies = iter([ids_of(oss.tokenizer, CALL), ids_of(oss.tokenizer, ANSWER)])
-    real = Decoding.sample
-
-    def sample(self, logits):
-        real(self, logits)
-        if not hasattr(self, "forced"):
-            self.forced = next(replies)
-        self.token_ids[-1] = self.forced[min(len(self.token_ids) - 1, len(self.forced) - 1)]
-        return self.token_ids[-1]
-
-    monkeypatch.setattr(Decoding, "sample", sample)
-    lines = iter(["Weather in Paris?", '/result {"temp": 21}'])
-
-    def fake_input(prompt=""):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
-    out, err = io.StringIO(), io.StringIO()
-    args = build_parser().parse_args(["chat", "oss", "-n", "200", "--reasoning-effort", "low", "--tools", str(tools)])
-    s = Session(oss, args, out=out, err=err)
-    s.loop()
-    shown = out.getvalue()
+    s, shown = waste_chat_session(
+        oss, monkeypatch, ["chat", "oss", "-n", "200", "--reasoning-effort", "low", "--tools", str(tools)],
+        ["Weather in Paris?", '/result {"temp": 21}'], [ids_of(oss.tokenizer, CALL), ids_of(oss.tokenizer, ANSWER)])
     assert shown.startswith("The user wants the weather.\n\nChecking.[tool call get_weather("), shown
     assert shown.rstrip().endswith("Fine.\n\nIt is sunny."), shown
     assert [m["role"] for m in s.history] == ["user", "assistant", "tool", "assistant"]
@@ -224,24 +167,62 @@ def test_parser_for_the_template():
     assert isinstance(parser_for(TEMPLATE.read_text()), HarmonyParser)
 
 
-def harmony_encoding():
-    """OpenAI's own harmony encoding, or a skip saying why: it needs the o200k_base vocabulary, which it downloads
-    unless TIKTOKEN_ENCODINGS_BASE names a folder holding o200k_base.tiktoken (tests download nothing)."""
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"   # what tiktoken expects
+
+
+def o200k_base_from_quicktok() -> bytes | None:
+    """The genuine o200k_base.tiktoken, rebuilt from the copy quicktok-v1 0.4.0 (the test extra) ships as
+    `quicktok/data/o200k.vocab` (u32 count, then per token: u16 length, its bytes, u32 rank): one line
+    "base64(bytes) rank" per rank. None without quicktok; a test failure if the result is not the file tiktoken
+    pins by sha256."""
+    import base64
+    import hashlib
+    import importlib.util
+    import struct
+
+    spec = importlib.util.find_spec("quicktok")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    raw = (Path(spec.submodule_search_locations[0]) / "data" / "o200k.vocab").read_bytes()
+    (n,), off, ranks = struct.unpack_from("<I", raw), 4, []
+    for _ in range(n):
+        (size,) = struct.unpack_from("<H", raw, off)
+        tok = raw[off + 2 : off + 2 + size]
+        (rank,) = struct.unpack_from("<I", raw, off + 2 + size)
+        ranks.append((rank, tok))
+        off += 6 + size
+    text = "".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in sorted(ranks)).encode()
+    assert off == len(raw) and hashlib.sha256(text).hexdigest() == O200K_SHA256
+    return text
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    """OpenAI's own harmony encoding, or a skip saying why. It reads o200k_base.tiktoken from
+    TIKTOKEN_ENCODINGS_BASE (it would download it otherwise; tests download nothing): a folder the caller names,
+    else one holding the copy rebuilt from quicktok-v1."""
     h = pytest.importorskip("openai_harmony")
-    if not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
-        pytest.skip("openai-harmony needs o200k_base.tiktoken: set TIKTOKEN_ENCODINGS_BASE to a folder holding it")
-    try:
-        return h, h.load_harmony_encoding(h.HarmonyEncodingName.HARMONY_GPT_OSS)
-    except Exception as e:         # the Rust side raises its own error types
-        pytest.skip(f"openai-harmony cannot load its encoding here: {e}")
+    with pytest.MonkeyPatch.context() as mp:
+        if not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
+            text = o200k_base_from_quicktok()
+            if text is None:
+                pytest.skip("openai-harmony needs o200k_base.tiktoken: install the test extra (quicktok-v1 ships it)"
+                            " or set TIKTOKEN_ENCODINGS_BASE to a folder holding it")
+            folder = tmp_path_factory.mktemp("tiktoken")
+            (folder / "o200k_base.tiktoken").write_bytes(text)
+            mp.setenv("TIKTOKEN_ENCODINGS_BASE", str(folder))
+        try:
+            return h, h.load_harmony_encoding(h.HarmonyEncodingName.HARMONY_GPT_OSS)
+        except Exception as e:         # the Rust side raises its own error types
+            pytest.skip(f"openai-harmony cannot load its encoding here: {e}")
 
 
 @pytest.mark.parametrize("reply", [CALL, ANSWER, CALL.replace("commentary to=functions.get_weather <|constrain|>json",
                                                               "commentary to=functions.get_weather json")])
-def test_parser_agrees_with_openai_harmony(reply):
+def test_parser_agrees_with_openai_harmony(harmony, reply):
     """The same reply through OpenAI's parser (its tokens, end id included) and ours (its text, end id excluded, as
     the engine hands it over): the same reasoning, content and calls."""
-    h, enc = harmony_encoding()
+    h, enc = harmony
     messages = enc.parse_messages_from_completion_tokens(enc.encode(reply, allowed_special="all"), h.Role.ASSISTANT)
     want = {"reasoning": "", "content": "", "calls": []}
     for m in messages:

@@ -3,24 +3,22 @@ release's XTML template (tests/data/templates/Kimi-K3.jinja): thinking and its e
 and results round-tripping through Engine.chat, the server's chat route and `waste chat`, parsed into
 `reasoning_content` and `tool_calls`. Replies with a known shape are forced (the sampler's choice is replaced),
 so the rest of the path (stop ids, detokenizing, the XTML parser, finish_reason) is the real one."""
-import io
 import json
 import re
 import shutil
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 import tiktoken
 import torch
+import chat_util
 from k3_release import train_ranks, write_k3_tokenizer, write_release
-from serve_util import ThreadServer, sse_events
+from chat_util import ASK, TOOLS, assert_tool_call_route, chat_tool_call_round, force_generation, waste_chat_session
+from serve_util import ThreadServer
 
 import waste
 from waste.chat import ChatRequestError
 from waste.convert.convert import convert
-from waste.engine import Decoding
 from waste.serve.app import ServerState
 from waste.text.tokenizer import KIMI_PATTERN
 
@@ -29,11 +27,6 @@ pytestmark = pytest.mark.skipif(not TEMPLATE.is_file(), reason=f"{TEMPLATE} is a
 
 CORPUS = ("The weather in Paris is sunny. 北京的天气很好。中文English混合的句子很常见。 Checking the weather now. "
           "get_weather city Paris days 3 temp 21 It is sunny. Think about it: add them. ") * 3
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "properties": {
-                                               "city": {"type": "string"}, "days": {"type": "integer"}},
-                                               "required": ["city"]}}}]
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
 # a reply after a prompt that opened the think channel: reasoning, the response, one call with typed arguments
 CALL = ('The user wants the weather.<|close|>think<|sep|><|open|>response<|sep|>Checking.'
         '<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
@@ -63,21 +56,7 @@ def k3(tmp_path_factory):
 
 def ids_of(tok, text: str) -> list[int]:
     """Model output as token ids: XTML markers as their special ids, the rest as text."""
-    return [i for part in MARKERS.split(text) if part
-            for i in ([tok.token_to_id(part)] if MARKERS.fullmatch(part) else tok.encode(part))]
-
-
-def force_generation(monkeypatch, ids):
-    """Every decoding samples these ids in turn instead of the model's choice."""
-    real = Decoding.sample
-
-    def sample(self, logits):
-        real(self, logits)
-        tok = ids[min(len(self.token_ids) - 1, len(ids) - 1)]
-        self.token_ids[-1] = tok
-        return tok
-
-    monkeypatch.setattr(Decoding, "sample", sample)
+    return chat_util.ids_of(tok, text, MARKERS)
 
 
 def test_tokenizer_keeps_han_runs_apart(k3):
@@ -116,16 +95,8 @@ def test_thinking_and_its_effort_reach_the_template(k3):
 def test_engine_chat_reasoning_tool_call_and_result_round_trip(k3, monkeypatch):
     eng, _ = k3
     tok = eng.tokenizer
-    force_generation(monkeypatch, ids_of(tok, CALL) + tok.encode(" junk"))
-    c = eng.chat(ASK, tools=TOOLS, reasoning_effort="high", max_tokens=200)
-    assert c.reasoning_content == "The user wants the weather." and c.content == "Checking."
-    assert c.finish_reason == "tool_calls" and len(c.tool_calls) == 1
-    call = c.tool_calls[0]
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    history, text = chat_tool_call_round(eng, monkeypatch, ids_of(tok, CALL), reasoning_effort="high")
     # the call and its result go back through the template as XTML
-    history = [*ASK, c.message(), {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
-    text = eng.chat_format().render(history, tools=TOOLS).text
     assert ('<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris'
             '<|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
             '<|close|>call<|sep|>') in text
@@ -148,23 +119,8 @@ def server(k3):
 def test_server_chat_route(k3, server, monkeypatch):
     eng, _ = k3
     force_generation(monkeypatch, ids_of(eng.tokenizer, CALL))
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    r = client.chat.completions.create(model="k3", messages=ASK, tools=TOOLS, max_tokens=200, reasoning_effort="low")
-    m = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and m.content == "Checking."
-    assert m.reasoning_content == "The user wants the weather."
-    assert m.tool_calls[0].function.name == "get_weather"
-    assert json.loads(m.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
-            "model": "k3", "messages": ASK, "tools": TOOLS, "max_tokens": 200, "stream": True}) as s:
-        events = sse_events(s.iter_lines())
-    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
-    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "The user wants the weather."
-    assert "".join(d.get("content") or "" for d in deltas) == "Checking."
-    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert calls[0]["function"]["name"] == "get_weather"
-    assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == {"city": "Paris", "days": 3}
-    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    client, m = assert_tool_call_route(server.url, "k3", "The user wants the weather.", "Checking.",
+                                       {"city": "Paris", "days": 3}, reasoning_effort="low")
     # the tool result goes back over the wire; thinking off through chat_template_kwargs
     follow = [*ASK, m.model_dump(exclude_none=True),
               {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": '{"temp": 21}'}]
@@ -178,40 +134,15 @@ def test_server_chat_route(k3, server, monkeypatch):
 def test_waste_chat_session(k3, tmp_path, monkeypatch):
     """`waste chat --reasoning-effort low --tools FILE`, in process (the Session the command runs): reasoning, the
     tool call as the screen shows it, then `/result` answers it and the model replies."""
-    from waste.chat_cli import Session
-    from waste.cli import build_parser
-
     eng, _ = k3
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))
-    replies = iter([ids_of(eng.tokenizer, CALL),
-                    ids_of(eng.tokenizer, "Fine.<|close|>think<|sep|><|open|>response<|sep|>It is sunny."
-                                          "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")])
-    real = Decoding.sample
-
-    def sample(self, logits):
-        real(self, logits)
-        if not hasattr(self, "forced"):     # one canned reply per decoding, in turn
-            self.forced = next(replies)
-        ids = self.forced
-        self.token_ids[-1] = ids[min(len(self.token_ids) - 1, len(ids) - 1)]
-        return self.token_ids[-1]
-
-    monkeypatch.setattr(Decoding, "sample", sample)
-    lines = iter(["Weather in Paris?", '/result {"temp": 21}'])
-
-    def fake_input(prompt=""):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
-    out, err = io.StringIO(), io.StringIO()
-    args = build_parser().parse_args(["chat", "k3", "-n", "200", "--reasoning-effort", "low", "--tools", str(tools)])
-    s = Session(eng, args, out=out, err=err)
-    s.loop()
-    shown = out.getvalue()
+    s, shown = waste_chat_session(
+        eng, monkeypatch, ["chat", "k3", "-n", "200", "--reasoning-effort", "low", "--tools", str(tools)],
+        ["Weather in Paris?", '/result {"temp": 21}'],
+        [ids_of(eng.tokenizer, CALL),
+         ids_of(eng.tokenizer, "Fine.<|close|>think<|sep|><|open|>response<|sep|>It is sunny."
+                               "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")])
     assert shown.startswith("The user wants the weather.\n\nChecking.[tool call get_weather(")
     assert shown.rstrip().endswith("Fine.\n\nIt is sunny.")
     assert [m["role"] for m in s.history] == ["user", "assistant", "tool", "assistant"]

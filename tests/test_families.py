@@ -11,7 +11,7 @@ from waste.text.chat_format import default_chat_json
 
 
 def test_every_family_names_its_own_adapter_and_a_known_chat_format():
-    assert {"qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3", "kimi_k3"} <= set(families())
+    assert {"qwen3_moe", "kimi_linear", "glm5_next", "deepseek_v3", "kimi_k3", "deepseek_v32"} <= set(families())
     for name, f in families().items():
         assert f.name == name and adapter_class(f).family == name and f.title
         assert f.chat is None or default_chat_json(f.chat) is not None, (name, f.chat)

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent / "waste"
 # units of one tier do not import each other.
 TIERS = [
     {"errors", "version"},
-    {"units", "params", "timing"},
+    {"units", "params", "timing", "numba_ptr"},
     {"container", "quant"},
     {"layers"},
     {"runtime"},

@@ -10,8 +10,8 @@ sys.modules.setdefault("fla", None)
 
 import pytest
 import torch
-from fixtures import (_randomise, assert_same_routes, greedy_pair, hooked_logits, prompt, rel_l2, routed_forward,
-                      save_release, split_and_whole)
+from fixtures import (check_greedy, check_logits_and_routes, check_split, converted, mtp_layer, oracle_model, prompt,
+                      rel_l2, save_release)
 from safetensors.torch import load_file, save_file
 
 import waste
@@ -24,7 +24,7 @@ N_LAYERS = 4
 
 
 def deepseek_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import DeepseekV3Config
 
     kw = dict(vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
@@ -33,26 +33,8 @@ def deepseek_model(seed=0, **over):
               rope_parameters=dict(YARN), max_position_embeddings=256, routed_scaling_factor=2.5,
               rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=0, tie_word_embeddings=False)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(DeepseekV3Config(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(DeepseekV3Config(**kw), seed)
     return m
-
-
-def add_mtp_layer(src):
-    """What DeepSeek's releases carry after the last decoder layer: the MTP module at model.layers.{N}."""
-    t = load_file(str(src / "model.safetensors"))
-    last = f"model.layers.{N_LAYERS - 1}."
-    for k in [k for k in t if k.startswith(last)]:
-        t[k.replace(last, f"model.layers.{N_LAYERS}.")] = t[k].clone()
-    for name, shape in (("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
-                        ("shared_head.norm.weight", (64,)), ("shared_head.head.weight", (384, 64))):
-        t[f"model.layers.{N_LAYERS}.{name}"] = torch.ones(shape)
-    save_file(t, str(src / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
-    (src / "config.json").write_text(json.dumps(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -60,18 +42,10 @@ def ds(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
     hf = deepseek_model()
     src = save_release(hf, root / "src")
-    add_mtp_layer(src)
-    out = convert(src, root / "ds.waste", experts="bf16", trunk="bf16", progress=False)
-    return {"hf": hf, "src": src, "out": out, "eng": waste.load(out, dtype="float32"), "root": root}
-
-
-def hf_routes(model, ids):
-    routes, hooks = {}, []
-    for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "gate"):
-            hooks.append(layer.mlp.gate.register_forward_hook(
-                lambda mod, inp, out, i=i: routes.__setitem__(i, out[2].clone())))
-    return hooked_logits(model, ids, hooks), routes
+    mtp_layer(src, N_LAYERS, (("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
+                              ("shared_head.norm.weight", (64,)), ("shared_head.head.weight", (384, 64))),
+              {"num_nextn_predict_layers": 1})
+    return converted(root, hf, src, "ds")
 
 
 def test_yarn_frequencies_and_scales_match_transformers(ds):
@@ -118,27 +92,16 @@ def test_release_config_as_deepseek_writes_it():
 
 
 def test_logits_and_routing_match_transformers(ds):
-    ids = prompt(100)                      # past original_max_position_embeddings (64): YaRN's interpolated band
-    ref, ref_routes = hf_routes(ds["hf"], ids)
-    logits, ours = routed_forward(ds["eng"].model, ids)
-    err = rel_l2(logits, ref)
-    print(f"deepseek_v3 logits rel L2 {err:.2e}")
-    assert err < 8e-6                     # measured 8.2e-7
-    assert sorted(ours) == [1, 2, 3]
-    assert_same_routes(ours, ref_routes)
+    # past original_max_position_embeddings (64): YaRN's interpolated band; measured 8.2e-7
+    check_logits_and_routes(ds["hf"], ds["eng"].model, prompt(100), 8e-6, [1, 2, 3], "deepseek_v3")
 
 
 def test_prefill_then_decode_equals_one_forward(ds):
-    m = ds["eng"].model
-    split, full = split_and_whole(m, prompt(40, seed=2), 6)
-    print(f"ds split {rel_l2(split, full):.2e}")
-    assert rel_l2(split, full) < 5e-6        # decode takes the absorbed path; measured 5.1e-7
-    assert torch.equal(split.argmax(-1), full.argmax(-1))
+    check_split(ds["eng"].model, prompt(40, seed=2), 6, 5e-6, "deepseek_v3")   # absorbed decode; measured 5.1e-7
 
 
 def test_greedy_continuation_matches_transformers(ds):
-    ref, got = greedy_pair(ds["hf"], ds["eng"], prompt(8, seed=3))
-    assert got == ref and len(ref) == 32
+    check_greedy(ds["hf"], ds["eng"], prompt(8, seed=3))
 
 
 def test_mtp_layer_is_left_out_with_a_note(ds):

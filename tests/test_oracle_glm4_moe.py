@@ -4,10 +4,7 @@ sigmoid router with correction bias and routed scaling, a shared expert; the rel
 out with a note). Then chat through GLM-4.6's template (tests/data/templates, SOURCES.md): rendering as transformers
 renders it, reasoning and GLM's <arg_key> / <arg_value> tool calls parsed on the engine, the server and
 `waste chat`."""
-import copy
-import io
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -16,14 +13,13 @@ sys.modules.setdefault("fla", None)
 import openai
 import pytest
 import torch
-from fixtures import (TOKENIZER_TEXT, _randomise, assert_same_routes, greedy_pair, hooked_logits, prompt, rel_l2,
-                      routed_forward, split_and_whole)
-from safetensors.torch import load_file, save_file
+from chat_util import ASK, TEMPLATE_CASES, TOOLS, assert_renders_as_transformers, force_sampler, waste_chat_session
+from fixtures import (chat_release, check_greedy, check_logits_and_routes, check_split, converted, mtp_layer,
+                      oracle_model, prompt, rel_l2)
 from serve_util import ThreadServer
 
 import waste
 from waste.convert.convert import convert
-from waste.convert.synthetic import write_tokenizer
 from waste.errors import WasteError
 
 TEMPLATE = Path(__file__).resolve().parent / "data" / "templates" / "GLM-4.6.jinja"
@@ -34,7 +30,7 @@ EOS = [0, 4, 6]      # <|endoftext|>, <|user|>, <|observation|>: the release's e
 
 
 def glm4_moe_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, Glm4MoeConfig
+    from transformers import Glm4MoeConfig
 
     kw = dict(vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -45,56 +41,25 @@ def glm4_moe_model(seed=0, **over):
               max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=EOS,
               pad_token_id=0, tie_word_embeddings=False)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(Glm4MoeConfig(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(Glm4MoeConfig(**kw), seed)
     return m
 
 
-def add_mtp_layer(src: Path) -> None:
-    """What GLM-4.5's releases carry after the last decoder layer: the MTP module at model.layers.{N}."""
-    t = load_file(str(src / "model.safetensors"))
-    last = f"model.layers.{N_LAYERS - 1}."
-    for k in [k for k in t if k.startswith(last)]:
-        t[k.replace(last, f"model.layers.{N_LAYERS}.")] = t[k].clone()
-    for name, shape in (("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
-                        ("shared_head.norm.weight", (64,))):
-        t[f"model.layers.{N_LAYERS}.{name}"] = torch.ones(shape)
-    save_file(t, str(src / "model.safetensors"))
-
-
 def glm4_release(dst: Path, seed=0, **over):
-    dst.mkdir(parents=True)
-    write_tokenizer(dst, TOKENIZER_TEXT, vocab_size=300, specials=SPECIALS)
-    tc = json.loads((dst / "tokenizer_config.json").read_text())
-    ids = {v["content"]: int(k) for k, v in tc["added_tokens_decoder"].items()}
-    assert [ids[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")] == EOS
     m = glm4_moe_model(seed, **over)
-    m.save_pretrained(dst)
-    add_mtp_layer(dst)
-    if TEMPLATE.is_file():
-        shutil.copy(TEMPLATE, dst / "chat_template.jinja")
+    ids = chat_release(dst, m, SPECIALS, TEMPLATE)
+    assert [ids[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")] == EOS
+    mtp_layer(dst, N_LAYERS, (("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
+                              ("shared_head.norm.weight", (64,))))
     return m, dst
 
 
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
     root = tmp_path_factory.mktemp("glm4")
-    hf, src = glm4_release(root / "src")
-    out = convert(src, root / "glm.waste", experts="bf16", trunk="bf16", progress=False)
-    eng = waste.load(out, dtype="float32")
-    yield {"hf": hf, "src": src, "out": out, "eng": eng, "root": root}
-    eng.close()
-
-
-def hf_routes(model, ids):
-    routes, hooks = {}, []
-    for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "gate"):
-            hooks.append(layer.mlp.gate.register_forward_hook(
-                lambda mod, inp, out, i=i: routes.__setitem__(i, out[2].clone())))
-    return hooked_logits(model, ids, hooks), routes
+    d = converted(root, *glm4_release(root / "src"), "glm")
+    yield d
+    d["eng"].close()
 
 
 def test_release_converts_as_glm4_moe_without_its_mtp_layer(glm):
@@ -129,26 +94,16 @@ def test_partial_rotary_matches_transformers():
 
 
 def test_logits_and_routing_match_transformers(glm):
-    ids = prompt(48)
-    ref, ref_routes = hf_routes(glm["hf"], ids)
-    logits, ours = routed_forward(glm["eng"].model, ids)
-    err = rel_l2(logits, ref)
-    print(f"glm4_moe logits rel L2 {err:.2e}")
-    assert err < 5e-6                     # measured 4.4e-7
-    assert sorted(ours) == list(range(1, N_LAYERS))
-    assert_same_routes(ours, ref_routes)
+    check_logits_and_routes(glm["hf"], glm["eng"].model, prompt(48), 5e-6, range(1, N_LAYERS),
+                            "glm4_moe")      # measured 4.4e-7
 
 
 def test_prefill_then_decode_equals_one_forward(glm):
-    split, full = split_and_whole(glm["eng"].model, prompt(30, seed=2), 6)
-    print(f"glm4_moe split {rel_l2(split, full):.2e}")
-    assert rel_l2(split, full) < 3e-6        # measured 2.3e-7
-    assert torch.equal(split.argmax(-1), full.argmax(-1))
+    check_split(glm["eng"].model, prompt(30, seed=2), 6, 3e-6, "glm4_moe")     # measured 2.3e-7
 
 
 def test_greedy_continuation_matches_transformers(glm):
-    ref, got = greedy_pair(glm["hf"], glm["eng"], prompt(8, seed=3))
-    assert got == ref and len(ref) == 32
+    check_greedy(glm["hf"], glm["eng"], prompt(8, seed=3))
 
 
 def test_qk_norm_variant_matches_transformers(tmp_path):
@@ -156,11 +111,8 @@ def test_qk_norm_variant_matches_transformers(tmp_path):
     with waste.load(convert(src, tmp_path / "o.waste", experts="bf16", trunk="bf16", progress=False),
                     dtype="float32") as eng:
         ids = prompt(24, seed=5)
-        ref, ref_routes = hf_routes(hf, ids)
-        logits, ours = routed_forward(eng.model, ids)
-    print(f"glm4_moe qk_norm + grouped routing rel L2 {rel_l2(logits, ref):.2e}")
-    assert rel_l2(logits, ref) < 6e-6        # measured 6.0e-7
-    assert_same_routes(ours, ref_routes)
+        check_logits_and_routes(hf, eng.model, ids, 6e-6, range(1, N_LAYERS),
+                                "glm4_moe qk_norm + grouped routing")       # measured 6.0e-7
 
 
 @pytest.mark.parametrize("over,match", [
@@ -187,72 +139,25 @@ def test_waste_info_names_the_features(glm, capsys):
 
 # -- chat: GLM-4.6's template ----------------------------------------------------------------------------------
 needs_template = pytest.mark.skipif(not TEMPLATE.is_file(), reason=f"{TEMPLATE} is absent")
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "properties": {
-                                               "city": {"type": "string"}, "days": {"type": "integer"}},
-                                               "required": ["city"]}}}]
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
-CALLED = {"role": "assistant", "content": "Checking.", "tool_calls": [
-    {"id": "call_1", "type": "function",
-     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]}
-CASES = {
-    "one_turn": dict(messages=ASK),
-    "multi_turn": dict(messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-                                 {"role": "assistant", "content": "Hello!", "reasoning_content": "greet back"},
-                                 {"role": "user", "content": "2+2?"}]),
-    "tools": dict(messages=ASK, tools=TOOLS),
-    "tool_result": dict(messages=[*ASK, CALLED, {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}],
-                        tools=TOOLS),
-    "thinking_off": dict(messages=ASK, thinking=False),
-}
 # a reply as GLM-4.6 writes one: reasoning, text, one call with GLM's key / value pairs, then <|observation|>
 REPLY = ("\n<think>The user wants the weather.</think>\nChecking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
          "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>")
 
 
 @needs_template
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", TEMPLATE_CASES)
 def test_template_renders_as_transformers_does(glm, name):
-    from transformers import AutoTokenizer
-
-    from waste.chat import load_chat_format
-
-    eng, case = glm["eng"], copy.deepcopy(CASES[name])
-    ours = load_chat_format(eng.container, eng.tokenizer).render(copy.deepcopy(case["messages"]),
-                                                                tools=case.get("tools"), thinking=case.get("thinking"))
-    hf = AutoTokenizer.from_pretrained(str(glm["src"]))
-    extra = {"enable_thinking": case["thinking"]} if "thinking" in case else {}
-    for m in case["messages"]:          # what transformers' callers hand it: dict arguments
-        for c in m.get("tool_calls") or []:
-            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
-    kw = dict(tools=case.get("tools"), add_generation_prompt=True, **extra)
-    want = hf.apply_chat_template(case["messages"], tokenize=True, **kw)
-    assert ours.text == hf.apply_chat_template(case["messages"], tokenize=False, **kw)
-    assert ours.ids == list(want["input_ids"] if hasattr(want, "keys") else want)
-
-
-def force(monkeypatch, ids):
-    from waste.runtime.sampling import Sampler
-
-    def pick(self, logits):
-        n = getattr(self, "_forced", 0)
-        self._forced = n + 1
-        assert n < len(ids), "the engine asked for a token past the forced reply"
-        return ids[n]
-
-    monkeypatch.setattr(Sampler, "__call__", pick)
+    assert_renders_as_transformers(glm["eng"], glm["src"], name)
 
 
 @needs_template
 def test_reasoning_and_tool_calls_on_engine_server_and_waste_chat(glm, monkeypatch, tmp_path):
-    from waste.chat_cli import Session
-    from waste.cli import build_parser
     from waste.serve.app import ServerState
 
     eng = glm["eng"]
     tok = eng.tokenizer
     reply = tok.encode(REPLY) + [tok.token_to_id("<|observation|>")]
-    force(monkeypatch, reply)
+    force_sampler(monkeypatch, reply)
     c = eng.chat(ASK, tools=TOOLS)
     assert c.reasoning_content == "The user wants the weather." and c.content == "Checking.\n"
     assert c.finish_reason == "tool_calls" and c.tool_calls[0]["function"]["name"] == "get_weather"
@@ -261,7 +166,7 @@ def test_reasoning_and_tool_calls_on_engine_server_and_waste_chat(glm, monkeypat
     srv = ThreadServer(ServerState(engine=eng))
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        force(monkeypatch, reply)
+        force_sampler(monkeypatch, reply)
         r = client.chat.completions.create(model="glm", messages=ASK, tools=TOOLS, max_tokens=200)
         m = r.choices[0].message
         assert r.choices[0].finish_reason == "tool_calls" and m.reasoning_content == "The user wants the weather."
@@ -269,7 +174,7 @@ def test_reasoning_and_tool_calls_on_engine_server_and_waste_chat(glm, monkeypat
         assert json.loads(m.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
         follow = [*ASK, m.model_dump(exclude_none=True),
                   {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": '{"temp": 21}'}]
-        force(monkeypatch, tok.encode("\n<think></think>\nIt is sunny.") + [tok.token_to_id("<|user|>")])
+        force_sampler(monkeypatch, tok.encode("\n<think></think>\nIt is sunny.") + [tok.token_to_id("<|user|>")])
         r = client.chat.completions.create(model="glm", messages=follow, tools=TOOLS, max_tokens=64)
         assert r.choices[0].message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
     finally:
@@ -277,32 +182,11 @@ def test_reasoning_and_tool_calls_on_engine_server_and_waste_chat(glm, monkeypat
 
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))
-    replies = iter([reply, tok.encode("\n<think>Sunny.</think>\nIt is sunny.") + [tok.token_to_id("<|user|>")]])
-    from waste.engine import Decoding
-
-    real = Decoding.sample
-
-    def sample(self, logits):
-        real(self, logits)
-        if not hasattr(self, "forced"):
-            self.forced = next(replies)
-        self.token_ids[-1] = self.forced[min(len(self.token_ids) - 1, len(self.forced) - 1)]
-        return self.token_ids[-1]
-
     monkeypatch.undo()
-    monkeypatch.setattr(Decoding, "sample", sample)
-    lines = iter(["Weather in Paris?", '/result {"temp": 21}'])
-
-    def fake_input(prompt=""):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
-    out, err = io.StringIO(), io.StringIO()
-    s = Session(eng, build_parser().parse_args(["chat", "glm", "-n", "200", "--tools", str(tools)]), out=out, err=err)
-    s.loop()
-    assert "[tool call get_weather(" in out.getvalue() and out.getvalue().rstrip().endswith("It is sunny.")
+    s, shown = waste_chat_session(eng, monkeypatch, ["chat", "glm", "-n", "200", "--tools", str(tools)],
+                                  ["Weather in Paris?", '/result {"temp": 21}'],
+                                  [reply, tok.encode("\n<think>Sunny.</think>\nIt is sunny.")
+                                   + [tok.token_to_id("<|user|>")]])
+    assert "[tool call get_weather(" in shown and shown.rstrip().endswith("It is sunny.")
     assert [m["role"] for m in s.history] == ["user", "assistant", "tool", "assistant"]
     assert s.history[3]["content"] == "It is sunny."

@@ -11,8 +11,8 @@ sys.modules.setdefault("fla", None)
 
 import pytest
 import torch
-from fixtures import (_randomise, assert_same_routes, greedy_pair, hooked_logits, prompt, rel_l2, routed_forward,
-                      save_release, split_and_whole)
+from fixtures import (check_greedy, check_logits_and_routes, check_split, oracle_model, prompt, rel_l2, save_release,
+                      split_and_whole)
 from safetensors.torch import load_file, save_file
 
 import waste
@@ -26,17 +26,14 @@ KEEP_FLOAT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.em
 
 
 def gpt_oss_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, GptOssConfig
+    from transformers import GptOssConfig
 
     kw = dict(vocab_size=384, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
               max_position_embeddings=256, rope_parameters=dict(ROPE), swiglu_limit=7.0, swiglu_alpha=1.702,
               eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(GptOssConfig(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(GptOssConfig(**kw), seed)
     return m
 
 
@@ -77,14 +74,6 @@ def oss(tmp_path_factory):
     eng.close()
 
 
-def hf_routes(model, ids):
-    routes, hooks = {}, []
-    for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.mlp.router.register_forward_hook(
-            lambda mod, inp, out, i=i: routes.__setitem__(i, out[2].clone())))
-    return hooked_logits(model, ids, hooks), routes
-
-
 def test_experts_are_kept_as_released(oss):
     m = json.loads((oss["out"] / "manifest.json").read_text())
     assert m["family"] == "gpt_oss"
@@ -113,27 +102,17 @@ def test_yarn_frequencies_match_transformers(oss):
 
 
 def test_logits_and_routing_match_transformers(oss):
-    ids = prompt(100)                 # past the window (8) and YaRN's original 64 positions
-    ref, ref_routes = hf_routes(oss["hf"], ids)
-    logits, ours = routed_forward(oss["eng"].model, ids)
-    err = rel_l2(logits, ref)
-    print(f"gpt_oss logits rel L2 {err:.2e}")
-    assert err < 3e-6                  # measured 2.5e-7 (the issue's bound is 1e-4)
-    assert sorted(ours) == [0, 1, 2, 3]
-    assert_same_routes(ours, ref_routes)
+    # past the window (8) and YaRN's original 64 positions; measured 2.5e-7 (the issue's bound is 1e-4)
+    check_logits_and_routes(oss["hf"], oss["eng"].model, prompt(100), 3e-6, [0, 1, 2, 3], "gpt_oss", router="router")
 
 
 def test_prefill_then_decode_equals_one_forward(oss):
-    m = oss["eng"].model
-    split, full = split_and_whole(m, prompt(40, seed=2), 12)      # decode steps cross the window's edge
-    print(f"gpt_oss split {rel_l2(split, full):.2e}")
-    assert rel_l2(split, full) < 3e-6      # measured 2.5e-7
-    assert torch.equal(split.argmax(-1), full.argmax(-1))
+    # decode steps cross the window's edge; measured 2.5e-7
+    check_split(oss["eng"].model, prompt(40, seed=2), 12, 3e-6, "gpt_oss")
 
 
 def test_greedy_continuation_matches_transformers(oss):
-    ref, got = greedy_pair(oss["hf"], oss["eng"], prompt(8, seed=3))
-    assert got == ref and len(ref) == 32
+    check_greedy(oss["hf"], oss["eng"], prompt(8, seed=3))
 
 
 def test_float_release_converts_to_the_same_model(oss, tmp_path):

@@ -2,9 +2,7 @@
 own save_pretrained (the release's layout: `block_sparse_moe.experts.N.w1|w2|w3`), in float32: logits, routing,
 prefill + decode, greedy text; then chat through the release's template (tests/data/templates, SOURCES.md) on the
 engine, the server and `waste chat`."""
-import io
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -12,14 +10,10 @@ sys.modules.setdefault("fla", None)
 
 import openai
 import pytest
-import torch
-from fixtures import (TOKENIZER_TEXT, _randomise, assert_same_routes, greedy_pair, hooked_logits, prompt, rel_l2,
-                      routed_forward, split_and_whole)
+from chat_util import force_sampler, waste_chat_session
+from fixtures import chat_release, check_greedy, check_logits_and_routes, check_split, converted, oracle_model, prompt
 from serve_util import ThreadServer
 
-import waste
-from waste.convert.convert import convert
-from waste.convert.synthetic import write_tokenizer
 from waste.errors import WasteError
 
 TEMPLATE = Path(__file__).resolve().parent / "data" / "templates" / "mistralai-Mixtral-8x7B-Instruct-v0.1.jinja"
@@ -30,7 +24,7 @@ BOS, EOS = 1, 0           # <s> and </s> as write_tokenizer numbers them below (
 
 
 def mixtral_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, MixtralConfig
+    from transformers import MixtralConfig
 
     kw = dict(vocab_size=384, hidden_size=64, intermediate_size=48, num_hidden_layers=N_LAYERS,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
@@ -38,44 +32,24 @@ def mixtral_model(seed=0, **over):
               rms_norm_eps=1e-5, sliding_window=None, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None,
               tie_word_embeddings=False)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(MixtralConfig(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(MixtralConfig(**kw), seed)
     return m
 
 
 def mixtral_release(dst: Path, seed=0, **over) -> tuple:
     """(transformers model, release dir): the weights and config by save_pretrained, a byte-level tokenizer with
     Mixtral's <s> / </s>, and the release's chat template."""
-    dst.mkdir(parents=True)
-    write_tokenizer(dst, TOKENIZER_TEXT, vocab_size=300, specials=["</s>", "<s>"])
-    tc = json.loads((dst / "tokenizer_config.json").read_text())
-    assert {v["content"]: int(k) for k, v in tc["added_tokens_decoder"].items()} == {"<s>": BOS, "</s>": EOS}
-    (dst / "tokenizer_config.json").write_text(json.dumps({**tc, "bos_token": "<s>"}))
     m = mixtral_model(seed, **over)
-    m.save_pretrained(dst)
-    if TEMPLATE.is_file():
-        shutil.copy(TEMPLATE, dst / "chat_template.jinja")
+    assert chat_release(dst, m, ["</s>", "<s>"], TEMPLATE, bos_token="<s>") == {"<s>": BOS, "</s>": EOS}
     return m, dst
 
 
 @pytest.fixture(scope="module")
 def mx(tmp_path_factory):
     root = tmp_path_factory.mktemp("mixtral")
-    hf, src = mixtral_release(root / "src")
-    out = convert(src, root / "mx.waste", experts="bf16", trunk="bf16", progress=False)
-    eng = waste.load(out, dtype="float32")
-    yield {"hf": hf, "src": src, "out": out, "eng": eng}
-    eng.close()
-
-
-def hf_routes(model, ids):
-    routes, hooks = {}, []
-    for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.mlp.gate.register_forward_hook(
-            lambda mod, inp, out, i=i: routes.__setitem__(i, out[2].clone())))
-    return hooked_logits(model, ids, hooks), routes
+    d = converted(root, *mixtral_release(root / "src"), "mx")
+    yield d
+    d["eng"].close()
 
 
 def test_release_layout_converts_as_mixtral(mx):
@@ -88,26 +62,16 @@ def test_release_layout_converts_as_mixtral(mx):
 
 
 def test_logits_and_routing_match_transformers(mx):
-    ids = prompt(40)
-    ref, ref_routes = hf_routes(mx["hf"], ids)
-    logits, ours = routed_forward(mx["eng"].model, ids)
-    err = rel_l2(logits, ref)
-    print(f"mixtral logits rel L2 {err:.2e}")
-    assert err < 7e-6                     # measured 6.4e-7
-    assert sorted(ours) == list(range(N_LAYERS))
-    assert_same_routes(ours, ref_routes)
+    check_logits_and_routes(mx["hf"], mx["eng"].model, prompt(40), 7e-6, range(N_LAYERS),
+                            "mixtral")       # measured 6.4e-7
 
 
 def test_prefill_then_decode_equals_one_forward(mx):
-    split, full = split_and_whole(mx["eng"].model, prompt(30, seed=2), 6)
-    print(f"mixtral split {rel_l2(split, full):.2e}")
-    assert rel_l2(split, full) < 3e-6        # measured 2.6e-7
-    assert torch.equal(split.argmax(-1), full.argmax(-1))
+    check_split(mx["eng"].model, prompt(30, seed=2), 6, 3e-6, "mixtral")       # measured 2.6e-7
 
 
 def test_greedy_continuation_matches_transformers(mx):
-    ref, got = greedy_pair(mx["hf"], mx["eng"], prompt(8, seed=3))
-    assert got == ref and len(ref) == 32
+    check_greedy(mx["hf"], mx["eng"], prompt(8, seed=3))
 
 
 @pytest.mark.parametrize("over,match", [
@@ -130,19 +94,6 @@ CASES = [[{"role": "user", "content": "Hello there"}],
           {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Fibonacci in Python?"}]]
 
 
-def force(monkeypatch, ids):
-    """The sampler picks these ids in turn (the forward still runs; stopping, detokenizing, parsing are real)."""
-    from waste.runtime.sampling import Sampler
-
-    def pick(self, logits):
-        n = getattr(self, "_forced", 0)
-        self._forced = n + 1
-        assert n < len(ids), "the engine asked for a token past the forced reply"
-        return ids[n]
-
-    monkeypatch.setattr(Sampler, "__call__", pick)
-
-
 @needs_template
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_template_renders_as_transformers_does(mx, case):
@@ -161,21 +112,19 @@ def test_template_renders_as_transformers_does(mx, case):
 
 @needs_template
 def test_chat_stops_at_eos_on_engine_server_and_waste_chat(mx, monkeypatch):
-    from waste.chat_cli import Session
-    from waste.cli import build_parser
     from waste.serve.app import ServerState
 
     eng = mx["eng"]
     tok, eos = eng.tokenizer, eng.tokenizer.token_to_id("</s>")
     reply = tok.encode("It is 4.")
-    force(monkeypatch, reply + [eos] + tok.encode(" junk"))
+    force_sampler(monkeypatch, reply + [eos] + tok.encode(" junk"))
     c = eng.chat([{"role": "user", "content": "2+2?"}])
     assert c.content == "It is 4." and c.finish_reason == "stop" and c.usage["completion_tokens"] == len(reply) + 1
 
     srv = ThreadServer(ServerState(engine=eng))
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        force(monkeypatch, reply + [eos])
+        force_sampler(monkeypatch, reply + [eos])
         r = client.chat.completions.create(model="mx", messages=CASES[1], max_tokens=20)
         assert r.choices[0].message.content == "It is 4." and r.choices[0].finish_reason == "stop"
         with pytest.raises(openai.BadRequestError, match="tools"):     # Mixtral's template declares no tools
@@ -184,20 +133,9 @@ def test_chat_stops_at_eos_on_engine_server_and_waste_chat(mx, monkeypatch):
     finally:
         srv.stop()
 
-    force(monkeypatch, reply + [eos])
-    lines = iter(["2+2?"])
-
-    def fake_input(prompt=""):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
-    out, err = io.StringIO(), io.StringIO()
-    s = Session(eng, build_parser().parse_args(["chat", "m", "-n", "20"]), out=out, err=err)
-    s.loop()
-    assert out.getvalue().strip() == "It is 4." and s.history[-1] == {"role": "assistant", "content": "It is 4."}
+    force_sampler(monkeypatch, reply + [eos])
+    s, shown = waste_chat_session(eng, monkeypatch, ["chat", "m", "-n", "20"], ["2+2?"])
+    assert shown.strip() == "It is 4." and s.history[-1] == {"role": "assistant", "content": "It is 4."}
 
 
 def test_waste_info_names_the_family(mx, capsys):

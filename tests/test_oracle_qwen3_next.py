@@ -9,16 +9,14 @@ sys.modules.setdefault("fla", None)
 
 import pytest
 import torch
-from fixtures import (VOCAB, _randomise, assert_same_routes, greedy_pair, hooked_logits, prompt, rel_l2,
-                      routed_forward, save_release, split_and_whole)
+from fixtures import (VOCAB, check_greedy, check_logits_and_routes, check_split, converted, oracle_model, prompt,
+                      save_release)
 from safetensors.torch import load_file, save_file
 
-import waste
-from waste.convert.convert import convert
 
 
 def qwen3_next_model(seed=0, **over):
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    from transformers import Qwen3NextConfig
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -28,10 +26,7 @@ def qwen3_next_model(seed=0, **over):
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
               tie_word_embeddings=False, eos_token_id=0, pad_token_id=0, bos_token_id=None)
     kw.update(over)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(Qwen3NextConfig(**kw), attn_implementation="eager",
-                                         experts_implementation="eager").float().eval()
-    _randomise(m, seed)
+    m = oracle_model(Qwen3NextConfig(**kw), seed)
     with torch.no_grad():       # decays in a range a trained model has (A_log randomised near 1 decays fast)
         g = torch.Generator().manual_seed(seed + 1)
         for layer in m.model.layers:
@@ -50,43 +45,22 @@ def qn(tmp_path_factory):
     t["mtp.fc.weight"] = torch.ones(64, 128)
     t["mtp.norm.weight"] = torch.ones(64)
     save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
-    out = convert(src, root / "qn.waste", experts="bf16", trunk="bf16", progress=False)
-    eng = waste.load(out, dtype="float32")
-    yield {"hf": hf, "src": src, "out": out, "eng": eng}
-    eng.close()
-
-
-def hf_routes(model, ids):
-    routes, hooks = {}, []
-    for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "gate"):
-            hooks.append(layer.mlp.gate.register_forward_hook(
-                lambda mod, inp, out, i=i: routes.__setitem__(i, out[2].clone())))
-    return hooked_logits(model, ids, hooks), routes
+    d = converted(root, hf, src, "qn")
+    yield d
+    d["eng"].close()
 
 
 def test_logits_and_routing_match_transformers(qn):
-    ids = prompt(100)                      # more than one DeltaNet chunk (64)
-    ref, ref_routes = hf_routes(qn["hf"], ids)
-    logits, ours = routed_forward(qn["eng"].model, ids)
-    err = rel_l2(logits, ref)
-    print(f"qwen3_next logits rel L2 {err:.2e}")
-    assert err < 2e-5                     # measured 2.1e-6 (the bound is 1e-4)
-    assert sorted(ours) == [1, 2, 3]
-    assert_same_routes(ours, ref_routes)
+    # more than one DeltaNet chunk (64); measured 2.1e-6 (the bound is 1e-4)
+    check_logits_and_routes(qn["hf"], qn["eng"].model, prompt(100), 2e-5, [1, 2, 3], "qwen3_next")
 
 
 def test_prefill_then_decode_equals_one_forward(qn):
-    m = qn["eng"].model
-    split, full = split_and_whole(m, prompt(40, seed=2), 8)
-    print(f"qwen3_next split {rel_l2(split, full):.2e}")
-    assert rel_l2(split, full) < 1e-5      # measured 8.9e-7
-    assert torch.equal(split.argmax(-1), full.argmax(-1))
+    check_split(qn["eng"].model, prompt(40, seed=2), 8, 1e-5, "qwen3_next")      # measured 8.9e-7
 
 
 def test_greedy_continuation_matches_transformers(qn):
-    ref, got = greedy_pair(qn["hf"], qn["eng"], prompt(8, seed=3))
-    assert got == ref and len(ref) == 32
+    check_greedy(qn["hf"], qn["eng"], prompt(8, seed=3))
 
 
 def test_mtp_is_left_out_with_a_note_and_info_names_the_features(qn, capsys):

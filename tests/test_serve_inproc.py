@@ -9,7 +9,8 @@ import time
 import httpx
 import openai
 import pytest
-from serve_util import QWEN3, TOOLS, ThreadServer, qwen3_container, sse_events
+from chat_util import force_generation
+from serve_util import QWEN3, TOOLS, ThreadServer, sse_events
 
 import waste
 from waste.engine import Decoding
@@ -17,30 +18,6 @@ from waste.serve.app import ServerState
 
 needs_qwen3 = pytest.mark.skipif(not QWEN3.is_file(), reason=f"{QWEN3} is absent (tests/data/templates is incomplete)")
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-def force(monkeypatch, ids):
-    """Every request samples these ids in turn (then repeats the last) instead of sampling the model."""
-    real = Decoding.sample
-
-    def sample(self, logits):
-        real(self, logits)                      # the real bookkeeping (token_ids, logprobs), then overridden
-        tok = ids[min(len(self.token_ids) - 1, len(ids) - 1)]
-        self.token_ids[-1] = tok
-        return tok
-
-    monkeypatch.setattr(Decoding, "sample", sample)
-
-
-@pytest.fixture(scope="module")
-def qwen3(releases, tmp_path_factory):
-    if not QWEN3.is_file():
-        pytest.skip(f"{QWEN3} is absent")
-    eng = waste.load(qwen3_container(releases, tmp_path_factory.mktemp("inproc")))
-    srv = ThreadServer(ServerState(engine=eng))
-    yield srv, eng
-    srv.stop()
-    eng.close()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +32,7 @@ def _tool_output(tok):
 
 @needs_qwen3
 def test_tool_call_blocking(qwen3, client, monkeypatch):
-    force(monkeypatch, _tool_output(qwen3[1].tokenizer))
+    force_generation(monkeypatch, _tool_output(qwen3[1].tokenizer))
     r = client.chat.completions.create(model="q", messages=ASK, tools=TOOLS, max_tokens=256)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content == "Let me check.\n"
@@ -64,7 +41,7 @@ def test_tool_call_blocking(qwen3, client, monkeypatch):
     assert isinstance(call.function.arguments, str)
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
     # a tool result goes back through the template, arguments as the JSON string the client holds
-    force(monkeypatch, qwen3[1].tokenizer.encode("It is sunny.") + [qwen3[1].tokenizer.token_to_id("<|im_end|>")])
+    force_generation(monkeypatch, qwen3[1].tokenizer.encode("It is sunny.") + [qwen3[1].tokenizer.token_to_id("<|im_end|>")])
     follow = [*ASK, c.message.model_dump(exclude_none=True),
               {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]
     r = client.chat.completions.create(model="q", messages=follow, tools=TOOLS, max_tokens=16)
@@ -73,7 +50,7 @@ def test_tool_call_blocking(qwen3, client, monkeypatch):
 
 @needs_qwen3
 def test_tool_call_streaming(qwen3, client, monkeypatch):
-    force(monkeypatch, _tool_output(qwen3[1].tokenizer))
+    force_generation(monkeypatch, _tool_output(qwen3[1].tokenizer))
     with httpx.stream("POST", qwen3[0].url + "/v1/chat/completions", timeout=60, json={
             "model": "q", "messages": ASK, "tools": TOOLS, "max_tokens": 256, "stream": True}) as s:
         events = sse_events(s.iter_lines())
@@ -99,7 +76,7 @@ def test_tool_call_streaming(qwen3, client, monkeypatch):
 @needs_qwen3
 def test_reasoning_comes_back_under_both_names(qwen3, client, monkeypatch):
     tok = qwen3[1].tokenizer
-    force(monkeypatch, tok.encode("<think>\nAdd them.\n</think>\n\nIt is 4.") + [tok.token_to_id("<|im_end|>")])
+    force_generation(monkeypatch, tok.encode("<think>\nAdd them.\n</think>\n\nIt is 4.") + [tok.token_to_id("<|im_end|>")])
     msgs = [{"role": "user", "content": "2+2?"}]
     m = client.chat.completions.create(model="q", messages=msgs, max_tokens=256).choices[0].message
     assert m.content == "It is 4."
@@ -119,7 +96,7 @@ def test_reasoning_comes_back_under_both_names(qwen3, client, monkeypatch):
 @needs_qwen3
 def test_stop_strings_and_max_completion_tokens(qwen3, client, monkeypatch):
     tok = qwen3[1].tokenizer
-    force(monkeypatch, tok.encode("alpha beta gamma delta epsilon") + [tok.token_to_id("<|im_end|>")])
+    force_generation(monkeypatch, tok.encode("alpha beta gamma delta epsilon") + [tok.token_to_id("<|im_end|>")])
     r = client.chat.completions.create(model="q", messages=ASK, max_tokens=256, stop=["gamma"])
     assert r.choices[0].message.content == "alpha beta " and r.choices[0].finish_reason == "stop"
     r = client.chat.completions.create(model="q", messages=ASK, max_tokens=256, max_completion_tokens=2)
@@ -232,7 +209,7 @@ def test_disconnect_stops_generation_within_one_step(plain, monkeypatch):
 def test_full_queue_answers_503_with_retry_after(releases, monkeypatch):
     """One running, one waiting: the third is refused at once, and the openai client sees a 503 it may retry."""
     eng = waste.load(releases["qwen3_moe"][2])
-    force(monkeypatch, [eng.tokenizer.encode("a")[0]])
+    force_generation(monkeypatch, [eng.tokenizer.encode("a")[0]])
     state = ServerState(engine=eng, max_batch=1, max_queue=1)
     srv = ThreadServer(state)
     waiting = []

@@ -9,12 +9,11 @@ import openai
 import pydantic
 import pytest
 import torch
-from serve_util import QWEN3, TOOLS, ThreadServer, qwen3_container
+from serve_util import QWEN3, TOOLS
 
 import waste
 from waste.engine import Decoding
 from waste.runtime.sampling import Sampler, SamplingParams
-from waste.serve.app import ServerState
 
 needs_qwen3 = pytest.mark.skipif(not QWEN3.is_file(), reason=f"{QWEN3} is absent (tests/data/templates is incomplete)")
 
@@ -113,17 +112,6 @@ def test_penalties_match_transformers_logits_processors():
 
 
 # -- the server, through the openai client --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def qwen3(releases, tmp_path_factory):
-    if not QWEN3.is_file():
-        pytest.skip(f"{QWEN3} is absent")
-    eng = waste.load(qwen3_container(releases, tmp_path_factory.mktemp("structured")))
-    srv = ThreadServer(ServerState(engine=eng))
-    yield srv, eng
-    srv.stop()
-    eng.close()
-
-
 @pytest.fixture(scope="module")
 def client(qwen3):
     return openai.OpenAI(base_url=qwen3[0].url + "/v1", api_key="anything", max_retries=0, timeout=120)

@@ -457,7 +457,7 @@ def cmd_run(a):
         params.room(len(ids), a.n, ctx, strict=True)
     except params.ParamError as e:
         positions = eng.container.config.get("max_position_embeddings")
-        why = (f"the model's max_position_embeddings" if positions and positions <= a.context
+        why = ("the model's max_position_embeddings" if positions and positions <= a.context
                else "--context")
         raise WasteError(f"{e.message(FLAGS.get(e.param))} ({why}): lower -n, shorten the prompt"
                          + (" or raise --context" if why == "--context" else "")) from None

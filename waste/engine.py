@@ -65,7 +65,9 @@ def spread_experts(model, experts, device) -> None:
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    model.expert_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="waste-experts")
+    # its threads' kernels on one thread each (torch's count, which the numba kernels follow, is per thread)
+    model.expert_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="waste-experts", initializer=torch.set_num_threads,
+                                           initargs=(1,))
 
 
 @dataclass

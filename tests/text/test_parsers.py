@@ -74,6 +74,17 @@ CASES = {
         {"content": "Visible answer.", "reasoning_content": "I should check the weather.",
          "tool_calls": [call("get_weather", {"city": "Seoul", "days": 3, "opts": {"unit": "C"}}, "call_0"), call('a"b&c', {"q": [1, True, None]}, "call_1")]},
     ),
+    "dsml": (
+        "dsml", True,
+        'Look it up.</think>Sure.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">Paris 75</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="opts" string="false">{"unit": ["C"]}</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        '<｜DSML｜invoke name="get_time">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+        {"content": "Sure.", "reasoning_content": "Look it up.",
+         "tool_calls": [call("get_weather", {"city": "Paris 75", "days": 3, "opts": {"unit": ["C"]}}, "call_0"),
+                        call("get_time", {}, "call_1")]},
+    ),
     "plain_think": ("think", False, "<think>\nx\n</think>\n\nanswer", {"content": "answer", "reasoning_content": "x", "tool_calls": None}),
     "no_markup": ("plain", False, "just <b>text</b> <think>", {"content": "just <b>text</b> <think>", "reasoning_content": None, "tool_calls": None}),
 }
@@ -85,6 +96,9 @@ MALFORMED = {
     "glm_no_name": ("glm", "<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"),
     "kimi_bad_args": ("kimi_k2", "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{city: x}<|tool_call_end|>"),
     "kimi_no_args": ("kimi_k2", "<|tool_call_begin|>functions.f:0<|tool_call_end|>"),
+    "dsml_bad_json": ("dsml", '<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n" string="false">three</｜DSML｜parameter>\n</｜DSML｜invoke>after'),
+    "dsml_text_between": ("dsml", '<｜DSML｜invoke name="f">junk<｜DSML｜parameter name="a" string="true">1</｜DSML｜parameter></｜DSML｜invoke>'),
+    "dsml_no_name": ("dsml", '<｜DSML｜invoke>\n</｜DSML｜invoke>'),
     "xtml_bad_element": ("xtml", '<|open|>call tool="f"<|sep|><|open|>weird<|sep|>x<|close|>weird<|sep|><|close|>call<|sep|>'),
     "xtml_bad_number": ("xtml", '<|open|>call tool="f"<|sep|><|open|>argument key="n" type="number"<|sep|>three<|close|>argument<|sep|><|close|>call<|sep|>'),
 }
@@ -193,7 +207,7 @@ def test_parser_from_each_shipped_template():
     expect = {
         "Kimi-K3": "xtml", "moonshotai-Kimi-K2": "kimi_k2", "moonshotai-Kimi-K2-Thinking": "kimi_k2",
         "Kimi-K2-Thinking": "kimi_k2", "GLM-4.6": "glm", "glm_4_5": "glm", "GLM-5.3-Flash": "glm",
-        "GLM-5.3-Flash-0xSero-EXL3": "glm", "Qwen-Qwen3-0.6B": "hermes",
+        "GLM-5.3-Flash-0xSero-EXL3": "glm", "Qwen-Qwen3-0.6B": "hermes", "DeepSeek-V3.2": "dsml",
     }  # fmt: skip
     for path in sorted(TEMPLATES.glob("*.jinja")):
         markup = markup_for(template=path.read_text())

@@ -10,7 +10,11 @@ def features(manifest: dict, family_features: list[str] = ()) -> list[str]:
     out = []
     kinds = [l["attn"] for l in cfg["layers"]]
     d = cfg.get("dsa")
-    if d:
+    if d and d.get("index_rope_dim") is not None:      # per-token DSA (DeepSeek-V3.2)
+        out.append(f"DSA on {kinds.count('mla')} MLA layers: the index_topk {d['index_topk']} best visible tokens "
+                   f"per query, {d['index_n_heads']} index heads x {d['index_head_dim']}, rotary on the first "
+                   f"{d['index_rope_dim']} index channels (half-split), dense below index_topk")
+    elif d:
         shared = sum(1 for t in d.get("indexer_types") or [] if t == "shared")
         out.append(f"DSA on {kinds.count('mla')} MLA layers: index_topk {d['index_topk']} = "
                    f"{d['index_topk'] // d['index_kpool']} pools of {d['index_kpool']} tokens (index_kpool), "

@@ -9,9 +9,10 @@ from ..errors import WasteError
 MAX_PIXELS = 50_000_000      # far above what any processor keeps (GLM-5.3: 8000 tokens ~ 25 MP); refused above
 
 
-def open_image(data: bytes, what: str = "the image"):
+def open_image(data: bytes, what: str = "the image", composite: bool = True):
     """Decode fully (a truncated file fails here, not later); alpha is composited onto white, as transformers'
-    convert_to_rgb does before every release's processor."""
+    convert_to_rgb does before every release's processor. composite=False: the image in its own mode (Kimi K3's
+    processor fills transparency itself)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -35,6 +36,8 @@ def open_image(data: bytes, what: str = "the image"):
         raise WasteError(f"{what} cannot be decoded: {e} (a truncated or damaged file?)") from None
     if w < 1 or h < 1:
         raise WasteError(f"{what} has no pixels ({w}x{h})")
+    if not composite:
+        return img
     if "A" in img.getbands() or img.info.get("transparency") is not None:
         img = img.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img).convert("RGB")

@@ -17,9 +17,15 @@ selection does not depend on how many tokens were computed together.
 
 The indexer's cache is compact: one compressed key per complete pool, plus the raw keys and gate logits of the
 incomplete tail (fewer than kpool tokens); it is extended with the MLA latent cache, token for token.
+
+DeepSeek-V3.2 (`pooled=False`, kpool 1) scores single tokens: no compress gate, every token's key is a "pool", and
+the first `rope_dim` channels of the index query and key are rotated (`rope`, half-split, at the token's position)
+before scoring. Its selection is the same `select` with kpool 1: dense while t + 1 <= index_topk, else the
+index_topk best visible tokens (no tail).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +43,9 @@ class DSAConfig:
     topk: int            # index_topk, in tokens (a multiple of kpool)
     kpool: int           # index_kpool
     k_norm_eps: float = 1e-6
+    pooled: bool = True  # False: DeepSeek-V3.2, per-token keys, no compress gate (kpool must be 1)
+    rope: Callable | None = None  # (q [T, n_I, r], k [T, r], positions) -> both rotated: V3.2's indexer rotary
+    rope_dim: int = 0    # r, the leading channels of the index query and key that `rope` rotates
 
     @property
     def budget(self) -> int:
@@ -87,13 +96,24 @@ class DSACache:
         return len(self.mla)
 
 
-def indexer_keys(x: Tensor, w: dict[str, Tensor], cfg: DSAConfig) -> tuple[Tensor, Tensor]:
-    """Per-token index keys k [T, D] (LayerNorm with bias) and compress-gate logits g [T, D], in x's dtype."""
+def _rotate(q: Tensor, k: Tensor, cfg: DSAConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """V3.2: the leading rope_dim channels of the index queries [T, n_I, D] and keys [T, D] rotated."""
+    r = cfg.rope_dim
+    q_r, k_r = cfg.rope(q[..., :r], k[:, :r], positions)
+    return torch.cat([q_r, q[..., r:]], dim=-1), torch.cat([k_r, k[:, r:]], dim=-1)
+
+
+def indexer_keys(x: Tensor, w: dict[str, Tensor], cfg: DSAConfig,
+                 positions: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Per-token index keys k [T, D] (LayerNorm with bias; rotated when cfg.rope) and compress-gate logits
+    g [T, D] (None unless pooled), in x's dtype."""
     k = _linear(x, w["indexer.wk.weight"])
     cd = torch.promote_types(x.dtype, torch.float32)
     k = F.layer_norm(k.to(cd), (cfg.head_dim,), w["indexer.k_norm.weight"].to(cd), w["indexer.k_norm.bias"].to(cd),
                      cfg.k_norm_eps).to(x.dtype)
-    g = _linear(x, w["indexer.index_kpool_compress_gate"])
+    if cfg.rope is not None:
+        k = _rotate(k[:, None], k, cfg, positions)[1]
+    g = _linear(x, w["indexer.index_kpool_compress_gate"]) if cfg.pooled else None
     return k, g
 
 
@@ -106,8 +126,11 @@ def compress_pools(k: Tensor, g: Tensor, ape: Tensor, kpool: int) -> Tensor:
     return (p * kk).sum(dim=1)
 
 
-def extend_index(cache: IndexerCache, k: Tensor, g: Tensor, ape: Tensor, kpool: int) -> IndexerCache:
-    """The indexer cache after appending T tokens' keys and gate logits (not modified in place)."""
+def extend_index(cache: IndexerCache, k: Tensor, g: Tensor | None, ape: Tensor | None, kpool: int) -> IndexerCache:
+    """The indexer cache after appending T tokens' keys and gate logits (not modified in place); g None: per-token
+    keys (V3.2), appended as they are."""
+    if g is None:
+        return IndexerCache(cache.pool_rows.append(k), cache.tail_k, cache.tail_g)
     kk = torch.cat([cache.tail_k.to(k.dtype), k])
     gg = torch.cat([cache.tail_g.to(g.dtype), g])
     n = (kk.shape[0] // kpool) * kpool
@@ -117,14 +140,23 @@ def extend_index(cache: IndexerCache, k: Tensor, g: Tensor, ape: Tensor, kpool: 
     return IndexerCache(pools, kk[n:].clone(), gg[n:].clone())
 
 
-def index_scores(x: Tensor, c_q: Tensor, pools: Tensor, w: dict[str, Tensor], cfg: DSAConfig) -> Tensor:
+def index_scores(x: Tensor, c_q: Tensor, pools: Tensor, w: dict[str, Tensor], cfg: DSAConfig,
+                 positions: Tensor | None = None) -> Tensor:
     """I [T, N] float32: sum_h w_t,h ReLU(q_t,h . K_p / sqrt(D)) for every query and every complete pool."""
     T = x.shape[0]
     q = _linear(c_q, w["indexer.wq_b.weight"]).view(T, cfg.n_heads, cfg.head_dim)
+    if cfg.rope is not None:
+        q = _rotate(q, q[:, 0], cfg, positions)[0]
     cd = torch.promote_types(x.dtype, torch.float32)
-    s = F.relu(torch.einsum("thd,pd->thp", q.to(cd), pools.to(cd)) * cfg.head_dim ** -0.5)
     wts = _linear(x, w["indexer.weights_proj.weight"]).to(cd) * cfg.n_heads ** -0.5
-    return torch.einsum("th,thp->tp", wts, s)
+    # heads in blocks, so the [T, heads, N] intermediate stays near 2^26 values (V3.2: 64 heads, N = every token)
+    hb = max(1, min(cfg.n_heads, (1 << 26) // max(1, T * pools.shape[0])))
+    out = None
+    for h in range(0, cfg.n_heads, hb):
+        s = F.relu(torch.einsum("thd,pd->thp", q[:, h:h + hb].to(cd), pools.to(cd)) * cfg.head_dim ** -0.5)
+        part = torch.einsum("th,thp->tp", wts[:, h:h + hb], s)
+        out = part if out is None else out + part
+    return out
 
 
 @dataclass
@@ -201,11 +233,13 @@ def dsa_forward(
     P = len(cache)
     q_nope, q_pe, c_kv, k_pe, c_q = mla_project(x, w, mla_cfg, P, positions)
     mla = cache.mla.append(c_kv, k_pe)
+    if positions is None and cfg.rope is not None:
+        positions = torch.arange(P, P + T, device=x.device)
 
     index = cache.index
     if index is not None:
-        k_i, g_i = indexer_keys(x, w, cfg)
-        index = extend_index(index, k_i, g_i, w["indexer.index_kpool_compress_ape"], cfg.kpool)
+        k_i, g_i = indexer_keys(x, w, cfg, positions)
+        index = extend_index(index, k_i, g_i, w.get("indexer.index_kpool_compress_ape"), cfg.kpool)
     if keep is not None:
         sel = Selection(keep, [], [], None)
     elif index is None:
@@ -215,7 +249,7 @@ def dsa_forward(
     else:
         n_vis_last = (P + T) // cfg.kpool
         need = want_scores or n_vis_last > cfg.budget
-        scores = index_scores(x, c_q, index.pools, w, cfg) if need else None
+        scores = index_scores(x, c_q, index.pools, w, cfg, positions) if need else None
         sel = select(scores, P, T, cfg, x.device)
 
     S = P + T

@@ -6,8 +6,9 @@ the sizes of a decode step (docs/LEARNED.md §10). Here all k pairs of the row a
 record's bytes where they sit in the slab (bf16 / float32 / q8 codes / q4 nibbles in the stored layout), so
 nothing is gathered or widened first.
 
-Exact per pair: each pair is computed by the same loops whatever else is in the call and on one thread, so a
-pair gives the same bits in any group, at any budget, at any thread count. Float32 compute only; another
+Exact per pair: each pair is computed by the same loops whatever else is in the call and on one thread (the pairs
+of a row are spread over torch's thread count, one pair per thread at a time), so a pair gives the same bits in any
+group, at any budget, at any thread count. Float32 compute only; another
 compute dtype, another activation (K3's SiTU-GLU) or more than one row take layers/moe.py's torch kernels.
 """
 from __future__ import annotations
@@ -17,166 +18,13 @@ import functools
 import numpy as np
 import torch
 
-from ..quant.int4pack import BLOCK
-from .numba_ptr import at
 
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    import numba
-    from llvmlite import ir
-    from numba.core import types
-    from numba.extending import intrinsic
+    from . import cpu_kernels as k
 
-    _at = at()
-
-    @intrinsic
-    def _f32_of(typingctx, b):             # the float32 whose bits are b
-        return types.float32(types.uint32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.FloatType())
-
-    @numba.njit(inline="always")
-    def act(g, u, limit):                  # swiglu_act: silu(min(g, L)) * clamp(u, -L, L), or silu(g) * u
-        if limit > 0:
-            g = min(g, limit)
-            u = max(-limit, min(u, limit))
-        return g / (np.float32(1.0) + np.exp(-g)) * u
-
-    @numba.njit(inline="always")
-    def bf16(bits):                        # bf16 bits (uint16) -> float32
-        return _f32_of(np.uint32(bits) << np.uint32(16))
-
-    @numba.njit(fastmath=True, inline="always")
-    def mv_bf16(w, o, x, y, tmp):          # y = W x, W [N, K] bf16 bits from w[o]: a row widened, then its dot
-        N, K = y.shape[0], x.shape[0]
-        tf = tmp.view(np.float32)
-        for n in range(N):
-            row = w[o + n * K:o + n * K + K]     # a slice: indices from range() need no negative-index check
-            for k in range(K):
-                tmp[k] = np.uint32(row[k]) << np.uint32(16)
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += tf[k] * x[k]
-            y[n] = acc
-
-    @numba.njit(fastmath=True, inline="always")
-    def mv_f32(w, o, x, y):
-        N, K = y.shape[0], x.shape[0]
-        for n in range(N):
-            row = w[o + n * K:o + n * K + K]
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += row[k] * x[k]
-            y[n] = acc
-
-    @numba.njit(fastmath=True, inline="always")
-    def mv_q8(q, o, sc, so, x, y):         # W[n, k] = q[n, k] * scale[n]
-        N, K = y.shape[0], x.shape[0]
-        for n in range(N):
-            row = q[o + n * K:o + n * K + K]
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += np.float32(row[k]) * x[k]
-            y[n] = acc * sc[so + n]
-
-    @numba.njit(fastmath=True, inline="always")
-    def mv_q4(q, o, sz, zo, G, x, y, acc):  # quant/intq.py Q4: nibbles in int4pack's layout, sz bf16 [G, N, 2]
-        N, K = y.shape[0], x.shape[0]
-        szs = sz[zo:zo + G * N * 2]
-        gs = K // G
-        for n in range(N):
-            y[n] = 0.0
-        nfull = N // BLOCK
-        for b in range(nfull + (1 if N % BLOCK else 0)):
-            rows = BLOCK if b < nfull else N - nfull * BLOCK
-            hb = rows // 2
-            base = o + b * BLOCK * K // 2
-            for g in range(G):
-                for j in range(rows):
-                    acc[j] = 0.0
-                sx = np.float32(0.0)
-                for k in range(g * gs, g * gs + gs):
-                    xk = x[k]
-                    sx += xk
-                    col = q[base + k * hb:base + k * hb + hb]
-                    for j in range(hb):
-                        c = col[j]
-                        acc[j] += np.float32(c & 15) * xk
-                        acc[hb + j] += np.float32(c >> 4) * xk
-                for j in range(rows):
-                    # a full block holds rows j and j + 32 in a byte, the tail rows 2j and 2j + 1
-                    n = b * BLOCK + (j if b < nfull else (2 * j if j < hb else 2 * (j - hb) + 1))
-                    z = (g * N + n) * 2
-                    y[n] += bf16(szs[z]) * (acc[j] - np.float32(8.0) * sx) + bf16(szs[z + 1]) * sx
-
-    @numba.njit(fastmath=True, cache=True, nogil=True)     # nogil: layers/moe.py spread
-    def pairs_bf16(x_p, h, s_p, k, gw, uw, dw, os, inter, limit, out):
-        x, slots = _at(x_p, (h,), np.float32), _at(s_p, (k,), np.int64)
-        g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
-        tmp = np.empty(max(inter, x.shape[0]), np.uint32)
-        for p in range(slots.shape[0]):
-            s = slots[p]
-            if s < 0:
-                continue
-            mv_bf16(gw, os[0, 0] + s * os[0, 1], x, g, tmp)
-            mv_bf16(uw, os[1, 0] + s * os[1, 1], x, u, tmp)
-            for i in range(inter):
-                g[i] = act(g[i], u[i], limit)
-            mv_bf16(dw, os[2, 0] + s * os[2, 1], g, out[p], tmp)
-
-    @numba.njit(fastmath=True, cache=True, nogil=True)     # nogil: layers/moe.py spread
-    def pairs_f32(x_p, h, s_p, k, gw, uw, dw, os, inter, limit, out):
-        x, slots = _at(x_p, (h,), np.float32), _at(s_p, (k,), np.int64)
-        g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
-        for p in range(slots.shape[0]):
-            s = slots[p]
-            if s < 0:
-                continue
-            mv_f32(gw, os[0, 0] + s * os[0, 1], x, g)
-            mv_f32(uw, os[1, 0] + s * os[1, 1], x, u)
-            for i in range(inter):
-                g[i] = act(g[i], u[i], limit)
-            mv_f32(dw, os[2, 0] + s * os[2, 1], g, out[p])
-
-    @numba.njit(fastmath=True, cache=True, nogil=True)     # nogil: layers/moe.py spread
-    def pairs_q8(x_p, h, s_p, k, gq, gs, uq, us, dq, ds, os, inter, limit, out):
-        x, slots = _at(x_p, (h,), np.float32), _at(s_p, (k,), np.int64)
-        g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
-        for p in range(slots.shape[0]):
-            s = slots[p]
-            if s < 0:
-                continue
-            mv_q8(gq, os[0, 0] + s * os[0, 1], gs, os[1, 0] + s * os[1, 1], x, g)
-            mv_q8(uq, os[2, 0] + s * os[2, 1], us, os[3, 0] + s * os[3, 1], x, u)
-            for i in range(inter):
-                g[i] = act(g[i], u[i], limit)
-            mv_q8(dq, os[4, 0] + s * os[4, 1], ds, os[5, 0] + s * os[5, 1], g, out[p])
-
-    @numba.njit(fastmath=True, cache=True, nogil=True)     # nogil: layers/moe.py spread
-    def pairs_q4(x_p, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, out):
-        x, slots = _at(x_p, (h,), np.float32), _at(s_p, (k,), np.int64)
-        acc = np.empty(BLOCK, np.float32)
-        g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
-        for p in range(slots.shape[0]):
-            s = slots[p]
-            if s < 0:
-                continue
-            mv_q4(gq, os[0, 0] + s * os[0, 1], gz, os[1, 0] + s * os[1, 1], groups[0], x, g, acc)
-            mv_q4(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], groups[1], x, u, acc)
-            for i in range(inter):
-                g[i] = act(g[i], u[i], limit)
-            mv_q4(dq, os[4, 0] + s * os[4, 1], dz, os[5, 0] + s * os[5, 1], groups[2], g, out[p], acc)
-
-    @numba.njit(fastmath=True, cache=True)
-    def weighted_row(y_p, w_p, k, h, out):      # out[i] = sum_j w[j] * y[j, i], j ascending
-        y, w = _at(y_p, (k, h), np.float32), _at(w_p, (k,), np.float32)
-        for i in range(h):
-            out[0, i] = 0.0
-        for j in range(k):
-            wj, yj = w[j], y[j]
-            for i in range(h):
-                out[0, i] += wj * yj[i]
-
-    return {"weighted_row": weighted_row, "bf16": pairs_bf16, "f32": pairs_f32, "q8": pairs_q8, "q4": pairs_q4}
+    return {"weighted_row": k.weighted_row, "bf16": k.pairs_bf16, "f32": k.pairs_f32, "q8": k.pairs_q8, "q4": k.pairs_q4}
 
 
 def _flat(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
@@ -196,6 +44,9 @@ class NumbaPairs:
     PARTS = {"float": ("",), "q8": ("q", "scale"), "q4": ("q", "sz")}
 
     def __init__(self, bank):
+        from ..numba_ptr import follow_torch_threads
+
+        self.follow = follow_torch_threads
         parts, kind = bank.parts, bank.fmt.kind
         flats = [_flat(parts[m][k]) for m in ("gate", "up", "down") for k in self.PARTS[kind]]
         os = np.array([(o, stride) for _, o, stride in flats], np.int64)
@@ -217,6 +68,7 @@ class NumbaPairs:
         out = np.zeros((1, k, h), np.float32)
         x = x if x.is_contiguous() else x.contiguous()
         slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+        self.follow()
         self.fn(x.data_ptr(), h, slots.data_ptr(), k, *self.args, out[0])
         return torch.from_numpy(out)
 
@@ -250,8 +102,13 @@ def warm() -> None:
     """Load (or compile, the first time on a machine) every numba kernel a CPU decode row uses, on tiny inputs of the
     real calls' types: numba and its LLVM runtime take about 150 MB once a kernel runs, and the memory plan measures
     the process's own memory as its baseline, so this runs before the plan does (Engine.load)."""
-    from . import attention_cpu, router_cpu
+    from ..numba_ptr import follow_torch_threads
+    from ..quant import q4_numba
+    from . import attention_cpu, norm_cpu, router_cpu
 
+    # numba's OpenMP layer shares torch's OpenMP runtime: a parallel kernel launched at another thread count would
+    # change torch's too (and with it the bits of torch's reductions), so every launch first takes torch's count
+    follow_torch_threads()
     f32, i64 = np.float32, np.int64
     h, k, inter = 64, 2, 32
     x, slots = torch.zeros(1, h), torch.zeros(1, k, dtype=torch.int64)
@@ -272,3 +129,6 @@ def warm() -> None:
     buf = torch.zeros(4, G, d)
     attention_cpu.gqa_row(torch.zeros(1, (H + 2 * G) * d), H, G, torch.ones(d), torch.ones(d), 1e-6, torch.ones(d),
                           torch.zeros(d), buf, buf.clone(), 0)
+    norm_cpu.rms_rows(x, torch.ones(h), 1e-6)
+    q4 = {"q": torch.zeros(h, h // 2, dtype=torch.uint8), "sz": torch.zeros(1, h, 2, dtype=torch.bfloat16)}
+    q4_numba.row(x, q4, (h, h))

@@ -8,48 +8,11 @@ import functools
 import numpy as np
 import torch
 
-from .numba_ptr import at
 
 
 @functools.lru_cache(maxsize=1)
 def _kernel():
-    import numba
-
-    _at = at()
-
-    @numba.njit(fastmath=True, cache=True)
-    def softmax_topk_row(x_p, w_p, h, E, k, renorm, weights, ids):
-        x, W = _at(x_p, (h,), np.float32), _at(w_p, (E, h), np.float32)
-        p = np.empty(E, np.float32)
-        m = -np.inf
-        for e in range(E):
-            row = W[e]
-            acc = np.float32(0.0)
-            for i in range(h):
-                acc += row[i] * x[i]
-            p[e] = acc
-            m = max(m, acc)
-        tot = np.float32(0.0)
-        for e in range(E):
-            p[e] = np.exp(p[e] - m)
-            tot += p[e]
-        for e in range(E):
-            p[e] /= tot
-        picked = 0
-        s = np.float32(0.0)
-        for j in range(k):
-            best = -1
-            for e in range(E):
-                if p[e] >= 0 and (best < 0 or p[e] > p[best]):
-                    best = e
-            ids[0, j] = best
-            weights[0, j] = p[best]
-            s += p[best]
-            p[best] = -1.0            # taken (probabilities are >= 0)
-            picked += 1
-        if renorm:
-            for j in range(picked):
-                weights[0, j] /= s
+    from .cpu_kernels import softmax_topk_row
 
     return softmax_topk_row
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import WasteError
+from ..layers.vision import moonvit
 from ..layers.vision.glm5 import Glm5VisionConfig, tower
 
 
@@ -39,9 +40,49 @@ class Glm5Vision:
         return tower(pixels.to(self.dtype), grids, self.w, self.cfg)
 
 
+# what Kimi K3's vision_config may say, and the only value this tower implements (mlx-vlm's defaults)
+_K3_FIXED = {"model_type": "moonvit3d", "activation_func": "gelu_pytorch_tanh", "norm_type": "rmsnorm",
+             "mlp_type": "mlp2", "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+             "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2", "projector_hidden_act": "gelu"}
+
+
+class KimiK3Vision:
+    """Kimi K3's MoonViT and its mm_projector (mlx-vlm 0.7.10's kimi_k3); missing config keys take its defaults."""
+
+    def __init__(self, vision: dict, text_hidden: int, tensors: dict, dtype: torch.dtype):
+        c = dict(vision.get("config") or {})
+        for k, v in _K3_FIXED.items():
+            if c.get(k, v) != v:
+                raise WasteError(f"vision_config.{k} {c[k]!r} is not supported ({v})")
+        hidden = c.get("vt_hidden_size", 1024)
+        if c.get("mm_hidden_size", hidden) != hidden:
+            raise WasteError(f"vision_config.mm_hidden_size {c['mm_hidden_size']} differs from vt_hidden_size {hidden}")
+        m = c.get("merge_kernel_size") or (2, 2)
+        self.cfg = moonvit.MoonVitConfig(
+            hidden=hidden, qkv_hidden=c.get("qkv_hidden_size") or hidden, heads=c.get("vt_num_attention_heads", 12),
+            depth=c.get("vt_num_hidden_layers", 27), patch_size=c.get("patch_size", 14),
+            merge=(m, m) if isinstance(m, int) else tuple(m), eps=2.0 ** -7,
+            projector_eps=float(c.get("projector_ln_eps", 1e-5)))
+        if self.cfg.head_dim % 4:
+            raise WasteError(f"vision_config: a head of {self.cfg.head_dim} (qkv_hidden_size / heads) is not a "
+                             "multiple of 4, which the 2-D rotary needs")
+        out = tensors.get("mm_projector.proj.2.weight")
+        if out is not None and out.shape[0] != text_hidden:
+            raise WasteError(f"the vision projector writes {out.shape[0]} wide rows; the text model's hidden_size is "
+                             f"{text_hidden}")
+        self.w = {k: v.to(dtype) for k, v in tensors.items()}   # norms and the position table compute in f32
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def __call__(self, pixels: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
+        return moonvit.tower(pixels.to(self.dtype), grids, self.w, self.cfg)
+
+
 def build_vision(family: str, vision: dict, text_hidden: int, tensors: dict, dtype: torch.dtype):
     if family == "glm5_next":
         return Glm5Vision(vision, text_hidden, tensors, dtype)
+    if family == "kimi_k3":
+        return KimiK3Vision(vision, text_hidden, tensors, dtype)
     raise WasteError(f"the {family} vision tower does not run yet: this model takes text only in waste")
 
 

@@ -32,6 +32,11 @@ class Format:
         its slot (runtime/experts.py prepare_record), never per call."""
         return parts
 
+    def row_kernel(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...]):
+        """A callable for one float32 row on the CPU (x [1, K] -> [1, N] float32) with the parts bound, or None
+        where linear() serves that row as well (linear.py asks once per matrix)."""
+        return None
+
     def needs_prepare(self) -> bool:
         """Does prepare() change anything on this machine?"""
         return False

@@ -12,6 +12,8 @@ among a few shrink factors of the min/max range, rounding against the stored (bf
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -71,6 +73,13 @@ def group_for(K: int, group: int) -> int:
     return g
 
 
+@functools.lru_cache(maxsize=1)
+def _q4_numba():
+    from . import q4_numba      # imports numba: only when a CPU decode row first needs it
+
+    return q4_numba
+
+
 class Q4(Format):
     bits, kind = 4.0, "q4"
     kernel_dtype = torch.bfloat16      # int4pack.int4_mm runs a float32 x as bf16
@@ -111,6 +120,15 @@ class Q4(Format):
     def needs_prepare(self) -> bool:
         return not int4pack.native()
 
+    def row_kernel(self, parts, shape):
+        """numba's q4 decode row (quant/q4_numba.py), float32 throughout, where the parts keep the stored layout."""
+        N, K = shape
+        stored = int4pack.native() or not int4pack.kernel_ok(N, K, self._group(parts, shape))
+        if not stored or parts["q"].device.type != "cpu" or not (parts["q"].is_contiguous()
+                                                                and parts["sz"].is_contiguous()):
+            return None
+        return _q4_numba().RowKernel(parts, shape)
+
     def prepare(self, parts, shape):
         """Parts in the form linear() multiplies: the nibbles in this torch build's own layout."""
         N, K = shape
@@ -121,6 +139,10 @@ class Q4(Format):
     def linear(self, x, parts, shape):
         N, K = shape
         g = self._group(parts, shape)
+        if x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu":
+            rk = self.row_kernel(parts, shape)
+            if rk is not None:
+                return rk(x)
         if not int4pack.kernel_ok(N, K, g) or x.shape[0] > self.dequant_rows:
             return F.linear(x, self.unpack(parts, shape, x.dtype))      # (prepare() leaves these parts as stored)
         q = parts["q"]

@@ -15,10 +15,10 @@ from .formats import get_format
 class QuantWeight:
     """A matrix kept in its stored format; multiplied through the format's own kernel."""
 
-    __slots__ = ("fmt", "parts", "shape")
+    __slots__ = ("fmt", "parts", "shape", "_row")
 
     def __init__(self, fmt, parts: dict[str, torch.Tensor], shape):
-        self.fmt, self.shape = fmt, tuple(shape)
+        self.fmt, self.shape, self._row = fmt, tuple(shape), False
         # safetensors packs tensors back to back, so a part may start at any byte; torch's int8 kernel reads
         # bfloat16 activations against it with aligned vector loads and crashes on an unaligned one
         parts = {k: v if v.data_ptr() % 64 == 0 else v.clone() for k, v in parts.items()}
@@ -33,6 +33,12 @@ class QuantWeight:
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return self.fmt.unpack(self.parts, self.shape, dtype)
 
+    def row_kernel(self):
+        """The format's kernel for one float32 row on the CPU, made once (its arguments bound), or None."""
+        if self._row is False:
+            self._row = self.fmt.row_kernel(self.parts, self.shape)
+        return self._row
+
     @property
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parts.values())
@@ -44,6 +50,11 @@ class QuantWeight:
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ w.T (+ bias), in x's dtype, for a float tensor or a QuantWeight."""
     if isinstance(w, QuantWeight):
+        if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu":
+            rk = w.row_kernel()          # a decode row: one numba call, no dispatch through the format
+            if rk is not None:
+                y = rk(x)
+                return y if bias is None else y + bias.to(y.dtype)
         if x.dim() == 2:            # rows already: no reshapes (each is an operator a decode step pays for)
             y = w.fmt.linear(x, w.parts, w.shape)
         else:

@@ -34,6 +34,15 @@ VQ_ITERS = 10
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
+def _launch():
+    """The kernels, with numba's thread count set to torch's first: numba's OpenMP layer shares torch's runtime, and a
+    parallel launch at another count would change torch's count too."""
+    from ..numba_ptr import follow_torch_threads
+
+    follow_torch_threads()
+    return _kernels()
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels():
     try:
@@ -177,7 +186,7 @@ class VQ3(Format):
     def unpack(self, parts, shape, dtype):
         N, K = shape
         out = torch.empty(N, K, dtype=torch.float32)
-        _kernels()[1](parts["codes"].view(N, K // VQ_DIM, -1).numpy(), parts["books"].float().numpy(),
+        _launch()[1](parts["codes"].view(N, K // VQ_DIM, -1).numpy(), parts["books"].float().numpy(),
                       parts["scale"].float().numpy(), out.numpy())
         return out.to(dtype)
 
@@ -186,7 +195,7 @@ class VQ3(Format):
         T = x.shape[0]
         if T > self.lut_rows:
             return F.linear(x, self.unpack(parts, shape, x.dtype))
-        vq_rows = _kernels()[0]
+        vq_rows = _launch()[0]
         books = parts["books"].float()                                                     # [S, 256, 8]
         lut = torch.einsum("tjd,scd->tjsc", x.float().view(T, K // VQ_DIM, VQ_DIM), books).contiguous()
         out = torch.empty(T, N, dtype=torch.float32)
@@ -240,7 +249,7 @@ class MXFP4(Format):
     def unpack(self, parts, shape, dtype):
         N, K = shape
         out = torch.empty(N, K, dtype=torch.float32)
-        _kernels()[3](parts["blocks"].view(N, K // 2).numpy(), parts["scales"].view(N, K // MX_GROUP).numpy(),
+        _launch()[3](parts["blocks"].view(N, K // 2).numpy(), parts["scales"].view(N, K // MX_GROUP).numpy(),
                       _POW2.numpy(), out.numpy())
         return out.to(dtype)
 
@@ -252,6 +261,6 @@ class MXFP4(Format):
         out = torch.empty(T, N, dtype=torch.float32)
         # mx_rows decodes each group's low nibbles (even columns), then its high ones: x in that order
         xp = x.float().view(T, K // MX_GROUP, MX_GROUP // 2, 2).transpose(2, 3).contiguous().view(T, K)
-        _kernels()[2](xp.numpy(), parts["blocks"].view(N, K // 2).numpy(), parts["scales"].view(N, K // MX_GROUP).numpy(),
+        _launch()[2](xp.numpy(), parts["blocks"].view(N, K // 2).numpy(), parts["scales"].view(N, K // MX_GROUP).numpy(),
                       _POW2.numpy(), out.numpy())
         return out.to(x.dtype)

@@ -215,9 +215,24 @@ def vision_bytes(params: int, config: dict | None, preprocessor: dict | None, dt
     """vision_resident_bytes from the tower's parameter count, vision_config and preprocessor_config.json (also what
     waste/hub reckons for a release before it is downloaded)."""
     c, pre = config or {}, preprocessor or {}
-    patches = pre.get("max_image_tokens", 8000) * c.get("spatial_merge_size", 2) ** 2
-    acts = patches * (4 * c.get("hidden_size", 1024) + 3 * c.get("intermediate_size", 4096))
+    if "vt_hidden_size" in c or c.get("model_type") == "moonvit3d":
+        acts = _moonvit_acts(c, pre.get("media_proc_cfg") or {})
+    else:
+        patches = pre.get("max_image_tokens", 8000) * c.get("spatial_merge_size", 2) ** 2
+        acts = patches * (4 * c.get("hidden_size", 1024) + 3 * c.get("intermediate_size", 4096))
     return (params + acts) * torch.empty(0, dtype=dtype).element_size()
+
+
+def _moonvit_acts(c: dict, media: dict) -> int:
+    """Kimi K3's tower for its largest image: in_patch_limit patches plus a padding row and column of merge blocks
+    along the longest side (a sweep of image sizes peaks at 1.02x the limit for the release's settings, this bound
+    is 1.03x), each with the residual, its norm and the block's output (3 x hidden), q/k/v, their rotated copies
+    and the attention output (6 x qkv_hidden) and the MLP's two (2 x intermediate)."""
+    m = media.get("merge_kernel_size") or c.get("merge_kernel_size") or (2, 2)
+    mh, mw = (m, m) if isinstance(m, int) else m
+    patches = media.get("in_patch_limit", 65536) + (mh + mw) * (media.get("patch_limit_on_one_side", 512) + max(mh, mw))
+    d = c.get("vt_hidden_size", 1024)
+    return patches * (3 * d + 6 * (c.get("qkv_hidden_size") or d) + 2 * c.get("vt_intermediate_size", 4096))
 
 
 def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk: int, dtype: torch.dtype,

@@ -28,6 +28,7 @@ class Markup:
     parse_call: Callable | None = None
     swallow: tuple[str, ...] = ()  # structure markers that carry nothing (sections, channel frames)
     strip_after_think: bool = True  # drop the newlines a model writes after <think> / </think>
+    strip_around_calls: bool = False  # drop content whitespace right before a call or structure marker (DSML)
 
 
 MARKUPS = {
@@ -54,6 +55,15 @@ MARKUPS = {
         ),  # fmt: skip
         strip_after_think=False,
     ),
+    # DeepSeek-V3.2: DSML invoke elements inside one function_calls block
+    "dsml": Markup(
+        "dsml",
+        call_open=("<｜DSML｜invoke",),
+        call_close="</｜DSML｜invoke>",
+        parse_call=tool_calls.dsml,
+        swallow=("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"),
+        strip_around_calls=True,
+    ),
     # gpt-oss: messages with channel headers (text/harmony.py's parser reads them, not OutputParser)
     "harmony": Markup("harmony", think=None, call_open=("to=functions.",), call_close="<|call|>"),
 }
@@ -79,6 +89,7 @@ class OutputParser:
         # whitespace opening a reply is held until we know whether <think> follows it (GLM-4.5 / 4.6 write
         # "\n<think>"): dropped if it does, content if anything else comes first
         self._lead = "" if self._mode == "content" and self.markup.think else None
+        self._held = ""  # strip_around_calls: content's trailing whitespace, dropped if a call marker follows
 
     def feed(self, text: str) -> list:
         self._buf += text
@@ -94,6 +105,9 @@ class OutputParser:
             events += self._emit(Reasoning if self._mode == "reasoning" else Content, rest)
         if self._lead:          # a reply of whitespace alone: it is the content
             events += self._emit(Content, self._lead, release=True)
+        if self._held:
+            events.append(Content(self._held))
+            self._held = ""
         return events
 
     def _markers(self) -> list[str]:
@@ -128,6 +142,8 @@ class OutputParser:
 
     def _on_marker(self, marker: str) -> list:
         m = self.markup
+        if self._mode == "content" and (marker in m.call_open or marker in m.swallow):
+            self._held = ""
         if self._mode == "content" and m.think and marker == m.think[0]:
             self._mode, self._strip, self._lead = "reasoning", m.strip_after_think, None
         elif self._mode == "reasoning":
@@ -172,6 +188,10 @@ class OutputParser:
         if self._strip and text:
             text = text.lstrip()
             self._strip = not text
+        if kind is Content and self.markup.strip_around_calls and text:
+            text = self._held + text
+            body = text.rstrip()
+            self._held, text = text[len(body) :], body
         return [kind(text)] if text else []
 
 
@@ -197,6 +217,8 @@ def markup_for(template: str | None = None) -> Markup:
             return MARKUPS["xtml"]
         if any(m in template for m in ("<|tool_call_begin|>", "<|tool_calls_section_begin|>", "<|im_middle|>")):
             return MARKUPS["kimi_k2"] if "<think>" in template else _no_think(MARKUPS["kimi_k2"])
+        if "｜DSML｜" in template:
+            return MARKUPS["dsml"]
         if "<arg_key>" in template:
             return MARKUPS["glm"]
         if "<tool_call>" in template:

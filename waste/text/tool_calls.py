@@ -14,6 +14,9 @@ _GLM_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>
 _NAME = re.compile(r"[^\s<>\"']+")
 _XTML_OPEN = re.compile(r"<\|open\|>(\w+)((?:\s+\w+=\"[^\"]*\")*)\s*<\|sep\|>")
 _XTML_ATTR = re.compile(r"(\w+)=\"([^\"]*)\"")
+_DSML_HEAD = re.compile(r"\s+name=\"([^\"]+)\">")
+_DSML_PARAM = re.compile(r"<｜DSML｜parameter\s+name=\"([^\"]+)\"\s+string=\"(true|false)\">(.*?)"
+                         r"</｜DSML｜parameter>", re.S)
 
 
 def hermes(body: str, tools=None):
@@ -120,6 +123,30 @@ def xtml(body: str, tools=None):
 def _attrs(text: str) -> dict:
     # the template escapes exactly these two
     return {k: v.replace("&quot;", '"').replace("&amp;", "&") for k, v in _XTML_ATTR.findall(text)}
+
+
+def dsml(body: str, tools=None):
+    """DeepSeek-V3.2: ` name="NAME">` then `<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>`
+    elements; string="true" keeps V as text, "false" reads it as JSON (the template writes those with tojson)."""
+    m = _DSML_HEAD.match(body)
+    if m is None or not _NAME.fullmatch(m.group(1)):
+        return None
+    rest, args, pos = body[m.end() :], {}, 0
+    for p in _DSML_PARAM.finditer(rest):
+        if rest[pos : p.start()].strip():
+            return None  # text between parameters: not the format
+        key, is_str, value = p.groups()
+        if is_str == "true":
+            args[key] = value
+        else:
+            try:
+                args[key] = json.loads(value)
+            except ValueError:
+                return None
+        pos = p.end()
+    if rest[pos:].strip():
+        return None
+    return None, m.group(1), json.dumps(args, ensure_ascii=False)
 
 
 def _param_type(tools, name, key):

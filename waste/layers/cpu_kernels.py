@@ -1,0 +1,245 @@
+"""The numba kernels of one float32 decode row on the CPU: routed expert pairs (moe_cpu.py), grouped-query attention
+(attention_cpu.py), softmax top-k routing (router_cpu.py) and RMS normalisation (norm_cpu.py); those modules
+hold the torch-facing wrappers and say what each kernel replaces.
+
+Module-level functions, so numba's on-disk cache keeps them across processes (defined in closures they were
+compiled again in every process: 7 s of every CPU engine load, docs/LEARNED.md §10). Import lazily: importing this
+module imports numba.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ..numba_ptr import at
+from ..quant.int4pack import BLOCK
+from ..quant.q4_numba import mv_q4
+
+f32 = np.float32
+
+
+@numba.njit(inline="always")
+def act(g, u, limit):                  # swiglu_act: silu(min(g, L)) * clamp(u, -L, L), or silu(g) * u
+    if limit > 0:
+        g = min(g, limit)
+        u = max(-limit, min(u, limit))
+    return g / (np.float32(1.0) + np.exp(-g)) * u
+
+
+@numba.njit(fastmath=True, inline="always")
+def mv_bf16(w, o, x, y, tmp):          # y = W x, W [N, K] bf16 bits from w[o]: a row widened, then its dot
+    N, K = y.shape[0], x.shape[0]
+    tf = tmp.view(np.float32)
+    for n in range(N):
+        row = w[o + n * K:o + n * K + K]     # a slice: indices from range() need no negative-index check
+        for k in range(K):
+            tmp[k] = np.uint32(row[k]) << np.uint32(16)
+        acc = np.float32(0.0)
+        for k in range(K):
+            acc += tf[k] * x[k]
+        y[n] = acc
+
+
+@numba.njit(fastmath=True, inline="always")
+def mv_f32(w, o, x, y):
+    N, K = y.shape[0], x.shape[0]
+    for n in range(N):
+        row = w[o + n * K:o + n * K + K]
+        acc = np.float32(0.0)
+        for k in range(K):
+            acc += row[k] * x[k]
+        y[n] = acc
+
+
+@numba.njit(fastmath=True, inline="always")
+def mv_q8(q, o, sc, so, x, y):         # W[n, k] = q[n, k] * scale[n]
+    N, K = y.shape[0], x.shape[0]
+    for n in range(N):
+        row = q[o + n * K:o + n * K + K]
+        acc = np.float32(0.0)
+        for k in range(K):
+            acc += np.float32(row[k]) * x[k]
+        y[n] = acc * sc[so + n]
+
+
+@numba.njit(fastmath=True, cache=True, parallel=True, nogil=True)   # nogil: layers/moe.py spread
+def pairs_bf16(x_p, h, s_p, k, gw, uw, dw, os, inter, limit, out):
+    x, slots = at(x_p, (h,), np.float32), at(s_p, (k,), np.int64)
+    for p in numba.prange(slots.shape[0]):
+        s = slots[p]
+        if s < 0:
+            continue
+        g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
+        tmp = np.empty(max(inter, x.shape[0]), np.uint32)
+        mv_bf16(gw, os[0, 0] + s * os[0, 1], x, g, tmp)
+        mv_bf16(uw, os[1, 0] + s * os[1, 1], x, u, tmp)
+        for i in range(inter):
+            g[i] = act(g[i], u[i], limit)
+        mv_bf16(dw, os[2, 0] + s * os[2, 1], g, out[p], tmp)
+
+
+@numba.njit(fastmath=True, cache=True, parallel=True, nogil=True)   # nogil: layers/moe.py spread
+def pairs_f32(x_p, h, s_p, k, gw, uw, dw, os, inter, limit, out):
+    x, slots = at(x_p, (h,), np.float32), at(s_p, (k,), np.int64)
+    for p in numba.prange(slots.shape[0]):
+        s = slots[p]
+        if s < 0:
+            continue
+        g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
+        mv_f32(gw, os[0, 0] + s * os[0, 1], x, g)
+        mv_f32(uw, os[1, 0] + s * os[1, 1], x, u)
+        for i in range(inter):
+            g[i] = act(g[i], u[i], limit)
+        mv_f32(dw, os[2, 0] + s * os[2, 1], g, out[p])
+
+
+@numba.njit(fastmath=True, cache=True, parallel=True, nogil=True)   # nogil: layers/moe.py spread
+def pairs_q8(x_p, h, s_p, k, gq, gs, uq, us, dq, ds, os, inter, limit, out):
+    x, slots = at(x_p, (h,), np.float32), at(s_p, (k,), np.int64)
+    for p in numba.prange(slots.shape[0]):
+        s = slots[p]
+        if s < 0:
+            continue
+        g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
+        mv_q8(gq, os[0, 0] + s * os[0, 1], gs, os[1, 0] + s * os[1, 1], x, g)
+        mv_q8(uq, os[2, 0] + s * os[2, 1], us, os[3, 0] + s * os[3, 1], x, u)
+        for i in range(inter):
+            g[i] = act(g[i], u[i], limit)
+        mv_q8(dq, os[4, 0] + s * os[4, 1], ds, os[5, 0] + s * os[5, 1], g, out[p])
+
+
+@numba.njit(fastmath=True, cache=True, parallel=True, nogil=True)   # nogil: layers/moe.py spread
+def pairs_q4(x_p, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, out):
+    x, slots = at(x_p, (h,), np.float32), at(s_p, (k,), np.int64)
+    for p in numba.prange(slots.shape[0]):
+        s = slots[p]
+        if s < 0:
+            continue
+        acc = np.empty(BLOCK, np.float32)
+        g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
+        mv_q4(gq, os[0, 0] + s * os[0, 1], gz, os[1, 0] + s * os[1, 1], groups[0], x, g, acc)
+        mv_q4(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], groups[1], x, u, acc)
+        for i in range(inter):
+            g[i] = act(g[i], u[i], limit)
+        mv_q4(dq, os[4, 0] + s * os[4, 1], dz, os[5, 0] + s * os[5, 1], groups[2], g, out[p], acc)
+
+
+@numba.njit(fastmath=True, cache=True)
+def weighted_row(y_p, w_p, k, h, out):      # out[i] = sum_j w[j] * y[j, i], j ascending
+    y, w = at(y_p, (k, h), np.float32), at(w_p, (k,), np.float32)
+    for i in range(h):
+        out[0, i] = 0.0
+    for j in range(k):
+        wj, yj = w[j], y[j]
+        for i in range(h):
+            out[0, i] += wj * yj[i]
+
+
+@numba.njit(fastmath=True, inline="always")
+def norm_rope(src, w, use_norm, eps, cos, sin, rot, dst, tmp):   # dst = rope(norm(src)), the first rot dims
+    d = src.shape[0]
+    half = rot // 2
+    r = np.float32(1.0)
+    if use_norm:
+        ss = np.float32(0.0)
+        for i in range(d):
+            ss += src[i] * src[i]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
+    for i in range(d):
+        tmp[i] = src[i] * r * w[i] if use_norm else src[i]
+    for i in range(half):
+        dst[i] = tmp[i] * cos[i] - tmp[half + i] * sin[i]
+        dst[half + i] = tmp[half + i] * cos[half + i] + tmp[i] * sin[half + i]
+    for i in range(rot, d):            # partial rotary: the rest of the head passes through
+        dst[i] = tmp[i]
+
+
+@numba.njit(fastmath=True, cache=True, parallel=True)
+def gqa_row(qkv_p, H, G, d, rot, qn_p, kn_p, use_norm, eps, cos_p, sin_p, k_p, v_p, cap, n, out):
+    qkv = at(qkv_p, (H + 2 * G, d), f32)
+    qn, kn = at(qn_p, (d,), f32), at(kn_p, (d,), f32)
+    cos, sin = at(cos_p, (d,), f32), at(sin_p, (d,), f32)
+    K, V = at(k_p, (cap, G, d), f32), at(v_p, (cap, G, d), f32)
+    tmp = np.empty(d, np.float32)
+    for g in range(G):
+        norm_rope(qkv[H + g], kn, use_norm, eps, cos, sin, rot, K[n, g], tmp)
+        src, dst = qkv[H + G + g], V[n, g]
+        for i in range(d):
+            dst[i] = src[i]
+    scale = np.float32(1.0) / np.sqrt(np.float32(d))
+    rep = H // G
+    for h in numba.prange(H):              # heads spread over the threads: each head is one thread's, same bits
+        hq, htmp, scores = np.empty(d, np.float32), np.empty(d, np.float32), np.empty(n + 1, np.float32)
+        norm_rope(qkv[h], qn, use_norm, eps, cos, sin, rot, hq, htmp)
+        g = h // rep
+        m = -np.inf
+        for t in range(n + 1):
+            kt = K[t, g]
+            s = np.float32(0.0)
+            for i in range(d):
+                s += hq[i] * kt[i]
+            s *= scale
+            scores[t] = s
+            m = max(m, s)
+        tot = np.float32(0.0)
+        for t in range(n + 1):
+            e = np.exp(scores[t] - m)
+            scores[t] = e
+            tot += e
+        o = out[h]
+        for i in range(d):
+            o[i] = 0.0
+        for t in range(n + 1):
+            p = scores[t] / tot
+            vt = V[t, g]
+            for i in range(d):
+                o[i] += p * vt[i]
+
+
+@numba.njit(fastmath=True, cache=True)
+def softmax_topk_row(x_p, w_p, h, E, k, renorm, weights, ids):
+    x, W = at(x_p, (h,), np.float32), at(w_p, (E, h), np.float32)
+    p = np.empty(E, np.float32)
+    m = -np.inf
+    for e in range(E):
+        row = W[e]
+        acc = np.float32(0.0)
+        for i in range(h):
+            acc += row[i] * x[i]
+        p[e] = acc
+        m = max(m, acc)
+    tot = np.float32(0.0)
+    for e in range(E):
+        p[e] = np.exp(p[e] - m)
+        tot += p[e]
+    for e in range(E):
+        p[e] /= tot
+    picked = 0
+    s = np.float32(0.0)
+    for j in range(k):
+        best = -1
+        for e in range(E):
+            if p[e] >= 0 and (best < 0 or p[e] > p[best]):
+                best = e
+        ids[0, j] = best
+        weights[0, j] = p[best]
+        s += p[best]
+        p[best] = -1.0            # taken (probabilities are >= 0)
+        picked += 1
+    if renorm:
+        for j in range(picked):
+            weights[0, j] /= s
+
+
+@numba.njit(fastmath=True, cache=True)
+def rms_rows(x_p, w_p, R, h, eps, o_p):
+    x, w, out = at(x_p, (R, h), np.float32), at(w_p, (h,), np.float32), at(o_p, (R, h), np.float32)
+    for r in range(R):
+        row = x[r]
+        ss = np.float32(0.0)
+        for i in range(h):
+            ss += row[i] * row[i]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(h) + np.float32(eps))
+        o = out[r]
+        for i in range(h):
+            o[i] = row[i] * inv * w[i]
