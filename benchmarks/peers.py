@@ -31,6 +31,8 @@ Every waste arm is set over every peer arm (ratio = waste tok/s / peer tok/s). A
 on 1 thread, `+passive` with OMP_WAIT_POLICY=PASSIVE, `+bf16` with waste's --dtype bfloat16 (diagnostics).
 `--laptop SIZE` runs every arm cold under ../shared/tools/laptop (drop caches, a memory cgroup of SIZE) with
 waste's budget planned for it and llama.cpp reading through mmap.
+`--feed random` feeds every arm's decode steps the same seeded random tokens (its greedy tokens are still
+reported): a random-weight model's greedy output repeats one token, whose experts then always hit the cache.
 docs/LEARNED.md §7 has the results and the exact commands. Nothing here is a test.
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -125,7 +128,7 @@ def add_dummy_merge(path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- arms (one process)
-def arm_waste(path, ids, n, threads, budget, resident, dtype="auto"):
+def arm_waste(path, ids, n, threads, budget, resident, dtype="auto", feed=None):
     import torch
 
     from waste.engine import Engine
@@ -145,9 +148,10 @@ def arm_waste(path, ids, n, threads, budget, resident, dtype="auto"):
             logits = model.forward(torch.tensor(ids), state, 0, last_only=True)[-1]
             t1 = time.perf_counter()
             pos, out = len(ids), []
-            for _ in range(n):
+            for i in range(n):
                 nxt = int(torch.argmax(logits))
                 out.append(nxt)
+                nxt = nxt if feed is None else feed[i]
                 logits = model.forward(torch.tensor([nxt]), state, pos, last_only=True)[-1]
                 pos += 1
             t2 = time.perf_counter()
@@ -163,7 +167,7 @@ def arm_waste(path, ids, n, threads, budget, resident, dtype="auto"):
             "misses": s.misses - m0, "hits": s.hits - h0, "bytes_read": s.bytes_read - b0}
 
 
-def arm_llama(path, ids, n, threads, resident):
+def arm_llama(path, ids, n, threads, resident, feed=None):
     import numpy as np
     from llama_cpp import Llama
 
@@ -189,10 +193,10 @@ def arm_llama(path, ids, n, threads, resident):
         llm.eval(ids)
         t1 = time.perf_counter()
         out = []
-        for _ in range(n):
+        for i in range(n):
             nxt = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(nv,))))
             out.append(nxt)
-            llm.eval([nxt])
+            llm.eval([nxt if feed is None else feed[i]])
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1, out
 
@@ -238,10 +242,15 @@ def arm_hf(path, ids, n, threads, offload_dir, max_memory):
 
 def arm_main(a):
     ids = json.loads(Path(a.ids).read_text())
+    feed = None
+    if isinstance(ids, dict):          # compare --feed random: the prompt and the tokens each decode step is fed
+        ids, feed = ids["prompt"], ids["feed"]
+    if feed is not None and a.engine == "hf":
+        raise SystemExit("--feed random: the hf arm feeds its greedy tokens only")
     if a.engine == "waste":
-        r = arm_waste(a.model, ids, a.n, a.threads, a.budget, not a.cold, a.dtype)
+        r = arm_waste(a.model, ids, a.n, a.threads, a.budget, not a.cold, a.dtype, feed)
     elif a.engine == "llama":
-        r = arm_llama(a.model, ids, a.n, a.threads, not a.cold)
+        r = arm_llama(a.model, ids, a.n, a.threads, not a.cold, feed)
     else:
         r = arm_hf(a.model, ids, a.n, a.threads, a.offload_dir, a.max_memory)
     r.update(prompt=len(ids), n=a.n)
@@ -333,7 +342,12 @@ def compare(a) -> dict:
         ids += tok.encode(BENCH_TEXT).ids
     ids = ids[:a.prompt_len]
     ids_file = Path(tempfile.mkstemp(prefix="peers-ids-", suffix=".json")[1])
-    ids_file.write_text(json.dumps(ids))
+    if a.feed == "random":   # distinct tokens: a random model's greedy output repeats one token, and its experts
+        rng = random.Random(0)
+        feed = [rng.randrange(tok.get_vocab_size()) for _ in range(a.n)]
+        ids_file.write_text(json.dumps({"prompt": ids, "feed": feed}))
+    else:
+        ids_file.write_text(json.dumps(ids))
     arms = [tuple(s.split("=", 1)) for s in a.arm]
     machine = measure_machine(a.threads)
     wpath = next(p for e, p in arms if e.startswith("waste"))
@@ -390,6 +404,7 @@ def compare(a) -> dict:
     flops_tok = 2 * active
     pre_bound = machine["gemm_gflop_per_s"] * 1e9 / flops_tok
     out = {"machine": machine, "active_params": active, "prompt": len(ids), "n": a.n, "threads": a.threads,
+           "feed": a.feed,
            "laptop": a.laptop, "arms": {}}
     for key, rs in runs.items():
         e = key.split("=", 1)[0].split("@")[0].split("+")[0]
@@ -459,6 +474,9 @@ def main():
     c.add_argument("--repeat", type=int, default=3)
     c.add_argument("-n", type=int, default=64)
     c.add_argument("--prompt-len", type=int, default=128)
+    c.add_argument("--feed", choices=["greedy", "random"], default="greedy",
+                   help="each decode step takes the arm's greedy token, or the same seeded random tokens in every arm "
+                        "(cold runs of a random-weight model: its greedy output repeats one token and hits the cache)")
     c.add_argument("--threads", type=int, default=2)
     c.add_argument("--laptop", help="memory limit: every arm cold under ../shared/tools/laptop")
     c.add_argument("--budget", help="waste's expert budget under --laptop (default: planned)")

@@ -130,6 +130,7 @@ def test_plan_and_bench_cli(releases):
                         "--budget", str(2 * d["working_set_bytes"])], capture_output=True, text=True, check=True)
     b = json.loads(p.stdout)
     assert b["decode"]["tokens"] == 4 and b["disk_bandwidth_gb_per_s"] > 0
+    assert b["plan_bytes"] > b["budget_bytes"] == 2 * d["working_set_bytes"] and b["peak_rss_bytes"] > 0
     assert b["decode"]["bytes_read"] == b["decode"]["misses"] * b["record_bytes"]
 
 
@@ -149,9 +150,9 @@ def test_bench_with_random_tokens_and_uniform_routing(releases):
         assert lookups == 6 * m.top_k * len(eng.container.banks)
 
 
-def _groups_run(container, ids, n, wait_fill=False, **kw):
+def _groups_run(container, ids, n, wait_fill=False, dtype="float32", **kw):
     """run() with every residency call's groups counted: [(rows of the first sequence, groups yielded)]."""
-    with waste.load(container, dtype="float32", **kw) as eng:
+    with waste.load(container, dtype=dtype, **kw) as eng:
         if wait_fill:
             eng.experts.wait_fill()
         cache, calls = eng.experts, []
@@ -169,6 +170,7 @@ def _groups_run(container, ids, n, wait_fill=False, **kw):
         for _ in range(n):
             logits.append(m.forward(logits[-1][-1:].argmax(-1), st, pos))
             pos += 1
+        _groups_run.spread = eng.model.expert_pool is not None     # decode rows' experts over a pool's threads
         return torch.cat(logits), calls
 
 
@@ -187,11 +189,17 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
     assert all(g == 1 for _, g in ref_calls)
     with waste.load(c, dtype="float32", budget="1G", preload=False) as probe:
         ws = probe.plan.working_set_bytes
-    for budget in (ws, 3 * ws):
-        logits, calls = _groups_run(c, ids, 8, budget=budget, preload=False, threads=1)
-        assert torch.equal(logits, ref)
-        assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
-        assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
+    saved = torch.get_num_threads()
+    try:
+        for budget, compute in ((ws, 1), (ws, 2), (3 * ws, 2)):
+            torch.set_num_threads(compute)   # 2: a decode row's pairs dealt between two threads (layers/moe.py spread)
+            logits, calls = _groups_run(c, ids, 8, budget=budget, preload=False, threads=1)
+            assert _groups_run.spread == (compute > 1)
+            assert torch.equal(logits, ref)
+            assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
+            assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_next_layer_prefetch_is_bit_identical_and_reports_precision_and_recall(releases):
@@ -315,3 +323,28 @@ def test_route_diff_separates_set_and_rank_agreement(releases, tmp_path):
     assert same["set"] == same["rank"] == 1.0 and same["tokens"] > 3
     assert set(other["layers"]) == set(same["layers"]) and other["rank"] <= other["set"] <= 1.0
     assert other["set"] > 0.5
+
+
+def test_decode_experts_spread_over_threads_are_bit_identical_in_bfloat16(releases, tmp_path):
+    """Streaming on the CPU with two torch threads, a decode row's pairs are dealt between this thread and a pool's
+    (layers/moe.py spread), here through torch's int4 kernel one pair at a time (bf16 compute); the logits are the
+    same bits as with one thread (no pool) and with the whole bank resident."""
+    from waste.convert.convert import convert
+
+    _, src, _ = releases["qwen3_moe"]
+    c = convert(src, tmp_path / "q4.waste", experts="q4", trunk="bf16", progress=False)
+    ids = list(range(5, 29))
+    with waste.load(c, dtype="bfloat16", budget="1G", preload=False) as probe:
+        ws = probe.plan.working_set_bytes
+    saved = torch.get_num_threads()
+    out = {}
+    try:
+        for name, compute, budget in (("resident", 2, None), ("one", 1, ws), ("spread", 2, ws)):
+            torch.set_num_threads(compute)
+            logits, calls = _groups_run(c, ids, 8, budget=budget, preload=budget is None, wait_fill=budget is None,
+                                        dtype="bfloat16", threads=1)
+            out[name] = logits, _groups_run.spread
+    finally:
+        torch.set_num_threads(saved)
+    assert out["spread"][1] and not out["one"][1] and not out["resident"][1]
+    assert torch.equal(out["spread"][0], out["one"][0]) and torch.equal(out["spread"][0], out["resident"][0])

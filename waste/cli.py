@@ -148,7 +148,7 @@ def _load(a, model):
     def load():
         return Engine.load(model, dtype=a.dtype, budget=a.budget, context=a.context, threads=a.threads,
                            preload=False if a.no_preload else None, experts_per_token=a.experts_per_token,
-                           device=a.device, prefetch=not a.no_prefetch, ram=a.ram, vram=a.vram,
+                           device=a.device, prefetch=a.prefetch, ram=a.ram, vram=a.vram,
                            expert_parallel=ep, prefill_chunk=a.prefill_chunk)
     return load() if ep is None else ep.load(load)
 
@@ -160,9 +160,10 @@ def _engine_args(p):
     p.add_argument("--threads", type=int, default=4, help="expert reader threads (default 4)")
     p.add_argument("--no-preload", action="store_true",
                    help="no background fill of the cache when the whole bank fits (also WASTE_PRELOAD=0)")
-    p.add_argument("--no-prefetch", action="store_true",
-                   help="do not read the next MoE layer's predicted experts ahead of its router (next-layer "
-                        "prefetch; outputs are the same bits either way)")
+    p.add_argument("--prefetch", dest="prefetch", action="store_true", default=False,
+                   help="read the next MoE layer's predicted experts ahead of its router (next-layer prefetch; off "
+                        "by default: it did not measure faster, docs/LEARNED.md §3j; the same output bits either way)")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="no next-layer prefetch (the default)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16")
     _prefill_chunk_arg(p)
     p.add_argument("--device", default="auto",
@@ -387,7 +388,7 @@ def cmd_sweep(a):
             if arm.model is not None and arm.model not in engines:
                 engines[arm.model] = _load(a, arm.model)
                 _same_model(engines[None], engines[arm.model])
-        defaults = dict(budget=a.budget, context=a.context, threads=a.threads, prefetch=not a.no_prefetch,
+        defaults = dict(budget=a.budget, context=a.context, threads=a.threads, prefetch=a.prefetch,
                         prefill_chunk=a.prefill_chunk, verify=True, direct=True)
         r = sweep(engines, arms, defaults, repeat=a.repeat, n=a.n, prompt_len=a.prompt_len,
                   feed="random", routing=a.routing, text=text,

@@ -55,6 +55,22 @@ def resolve_device(name: str) -> str:
     raise WasteError(f"unknown device {name!r}; choose cpu, cuda or auto")
 
 
+
+def spread_experts(model, experts, device) -> None:
+    """Streaming on the CPU (the bank does not fit): a decode row's routed experts are computed on as many threads as
+    torch has (layers/moe.py spread: this thread and one pool thread per extra core), since the numba kernel runs
+    on one and a streamed layer's compute is what its reads wait behind (docs/LEARNED.md §3j). Not under expert
+    parallel (its ranks compute the pairs)."""
+    n = torch.get_num_threads()
+    if device != "cpu" or n < 2 or getattr(experts, "fits", True) or model.bank is None or hasattr(experts, "exchange"):
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    # its threads' kernels on one thread each (torch's count, which the numba kernels follow, is per thread)
+    model.expert_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="waste-experts", initializer=torch.set_num_threads,
+                                           initargs=(1,))
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -248,7 +264,7 @@ class Engine:
     def load(cls, path=None, dtype: str = "auto", budget=None, context: int = 4096, ram=None,
              preload: bool | None = None, threads: int = 4, verify: bool = True, direct: bool = True,
              experts_per_token: int | None = None, dump_dsa: bool | None = None, device: str = "cpu",
-             prefetch: bool = True, vram=None, expert_parallel=None, prefill_chunk: int | None = None) -> "Engine":
+             prefetch: bool = False, vram=None, expert_parallel=None, prefill_chunk: int | None = None) -> "Engine":
         """Open a container and plan its memory. budget/ram: bytes or "8G"-style sizes; preload None follows
         WASTE_PRELOAD (default on: fill the cache in the background when the whole bank fits). experts_per_token:
         route each token to this many experts instead of the release's number (1 .. that; a quality trade).
@@ -256,7 +272,8 @@ class Engine:
         device: "cpu", "auto", or "cuda" (the trunk and the expert slab in GPU memory; float and q8 expert formats,
         q4 and mxfp4 with triton). vram (cuda): bytes or "8G" of expert records in GPU memory, the rest of the
         budget a pinned host tier below them (runtime/vram.py; default: what the GPU's free memory holds). prefetch: read the next MoE layer's predicted experts while this one
-        computes (the same bits either way). expert_parallel: this process's runtime.parallel.ExpertParallel (it
+        computes (the same bits either way; off by default: it did not measure faster, docs/LEARNED.md §3j).
+        expert_parallel: this process's runtime.parallel.ExpertParallel (it
         holds and plans for its share of the experts; the others' are computed by their ranks). prefill_chunk: a
         prompt runs through the model this many tokens at a time (None: the plan's choice); each chunk's tokens
         share its expert reads."""
@@ -308,6 +325,7 @@ class Engine:
             if experts_per_token is not None:
                 set_experts_per_token(model, experts_per_token)
             model.prefill_chunk = plan.prefill_chunk
+            spread_experts(model, experts, dev)
             if dump_dsa and hasattr(model, "dsa_dump"):
                 model.dsa_dump = _print_lines
         except BaseException:
@@ -392,6 +410,8 @@ class Engine:
         return self._chat_format
 
     def close(self) -> None:
+        if self.model.expert_pool is not None:
+            self.model.expert_pool.shutdown()
         self.experts.close()
         self.container.close()
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+# zlib's CRC-32 through ISA-L's carry-less-multiply code: the same values, 8x the speed of zlib.crc32 (LEARNED
+# §3j: at the disk's rate, zlib's checks of every record read took half a core of a 2-core machine)
+from isal.isal_zlib import crc32
 
 from ..errors import DamagedContainer
 
@@ -107,7 +109,7 @@ class BankWriter:
 
     def write(self, expert: int, tensors: dict[str, torch.Tensor]) -> None:
         payload = self.layout.pack(tensors)
-        self._crcs[expert] = zlib.crc32(payload)
+        self._crcs[expert] = crc32(payload)
         os.pwrite(self._fd, payload.tobytes(), self.header_bytes + expert * self.layout.record_bytes)
 
     def close(self) -> None:
@@ -115,7 +117,7 @@ class BankWriter:
         if missing:
             raise ValueError(f"bank for layer {self.layer}: experts {missing[:8]} were never written")
         header = self._header(0)
-        crc = zlib.crc32(header)
+        crc = crc32(header)
         os.pwrite(self._fd, self._header(crc), 0)
         os.fsync(self._fd)
         os.close(self._fd)
@@ -148,7 +150,7 @@ class BankFile:
             raise DamagedContainer(f"{name} is bank format v{ver}; this waste reads v{VERSION}: re-convert the model")
         head = os.pread(self.fd, hbytes, 0)
         zeroed = head[:HEADER_FIXED.size - 4] + b"\0\0\0\0" + head[HEADER_FIXED.size:]
-        if len(head) != hbytes or zlib.crc32(zeroed) != hcrc:
+        if len(head) != hbytes or crc32(zeroed) != hcrc:
             raise DamagedContainer(f"header of expert bank {name} is corrupted: re-convert the model")
         off = HEADER_FIXED.size
         self.layout = RecordLayout.from_json(json.loads(head[off:off + jlen]))
@@ -173,7 +175,7 @@ class BankFile:
             self.check(expert, mv)
 
     def check(self, expert: int, record) -> None:
-        if zlib.crc32(record[:self.payload_bytes]) != self.crcs[expert]:
+        if crc32(record[:self.payload_bytes]) != self.crcs[expert]:
             raise DamagedContainer(
                 f"expert {expert} of layer {self.layer} ({os.path.basename(self.path)}) fails its checksum: "
                 "the container is damaged; run `waste verify` and re-convert")
@@ -183,7 +185,7 @@ class BankFile:
         bad = []
         for e in range(self.num_experts):
             self.read_into(e, buf, verify=False)
-            if zlib.crc32(memoryview(buf.numpy())[:self.payload_bytes]) != self.crcs[e]:
+            if crc32(memoryview(buf.numpy())[:self.payload_bytes]) != self.crcs[e]:
                 bad.append(e)
         return bad
 

@@ -62,7 +62,7 @@ def mv_q8(q, o, sc, so, x, y):         # W[n, k] = q[n, k] * scale[n]
         y[n] = acc * sc[so + n]
 
 
-@numba.njit(fastmath=True, cache=True, parallel=True)
+@numba.njit(fastmath=True, cache=True, parallel=True, nogil=True)   # nogil: layers/moe.py spread
 def pairs_bf16(x_p, h, s_p, k, gw, uw, dw, os, inter, limit, out):
     x, slots = at(x_p, (h,), np.float32), at(s_p, (k,), np.int64)
     for p in numba.prange(slots.shape[0]):
@@ -78,7 +78,7 @@ def pairs_bf16(x_p, h, s_p, k, gw, uw, dw, os, inter, limit, out):
         mv_bf16(dw, os[2, 0] + s * os[2, 1], g, out[p], tmp)
 
 
-@numba.njit(fastmath=True, cache=True, parallel=True)
+@numba.njit(fastmath=True, cache=True, parallel=True, nogil=True)   # nogil: layers/moe.py spread
 def pairs_f32(x_p, h, s_p, k, gw, uw, dw, os, inter, limit, out):
     x, slots = at(x_p, (h,), np.float32), at(s_p, (k,), np.int64)
     for p in numba.prange(slots.shape[0]):
@@ -93,7 +93,7 @@ def pairs_f32(x_p, h, s_p, k, gw, uw, dw, os, inter, limit, out):
         mv_f32(dw, os[2, 0] + s * os[2, 1], g, out[p])
 
 
-@numba.njit(fastmath=True, cache=True, parallel=True)
+@numba.njit(fastmath=True, cache=True, parallel=True, nogil=True)   # nogil: layers/moe.py spread
 def pairs_q8(x_p, h, s_p, k, gq, gs, uq, us, dq, ds, os, inter, limit, out):
     x, slots = at(x_p, (h,), np.float32), at(s_p, (k,), np.int64)
     for p in numba.prange(slots.shape[0]):
@@ -108,7 +108,7 @@ def pairs_q8(x_p, h, s_p, k, gq, gs, uq, us, dq, ds, os, inter, limit, out):
         mv_q8(dq, os[4, 0] + s * os[4, 1], ds, os[5, 0] + s * os[5, 1], g, out[p])
 
 
-@numba.njit(fastmath=True, cache=True, parallel=True)
+@numba.njit(fastmath=True, cache=True, parallel=True, nogil=True)   # nogil: layers/moe.py spread
 def pairs_q4(x_p, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, out):
     x, slots = at(x_p, (h,), np.float32), at(s_p, (k,), np.int64)
     for p in numba.prange(slots.shape[0]):

@@ -196,6 +196,7 @@ def cpu_rows(torch_kernel: Kernel) -> Kernel:
         return nb(x, slots) if nb is not None else torch_kernel(x, slots, bank)
     kernel.__name__ = f"cpu_rows({torch_kernel.__name__})"
     kernel.per_matrix = getattr(torch_kernel, "per_matrix", False)
+    kernel.numba_rows = True
     return kernel
 
 
@@ -222,6 +223,8 @@ def expert_pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, kernel: Kerne
         return kernel(x, slots, bank)
     if slots.shape[0] != 1:
         return segments(x, slots, bank)        # one matmul per expert over all its rows: the same in any group
+    if getattr(kernel, "numba_rows", False) and _numba_row(x, bank):
+        return bank.row_kernel()(x, slots)     # numba computes only the pairs it is given, each alone
     valid = slots >= 0
     held = slots[valid]
     if not held.numel():
@@ -243,10 +246,15 @@ def routed_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
 
 
 def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, bank: Bank,
-                  kernel: Kernel) -> list[torch.Tensor]:
+                  kernel: Kernel, pool=None) -> list[torch.Tensor]:
     """routed_experts for several sequences whose experts arrive in groups ((slots per sequence, complete), as the
     expert store yields them while its reads land): each pair's output is computed in exactly one group and kept,
-    and the weighted sum is taken once over all of them, so the result is the same bits however the reads landed."""
+    and the weighted sum is taken once over all of them, so the result is the same bits however the reads landed.
+    pool: threads that take every other pair of a single CPU decode row (numba, exact per pair) while this thread
+    computes the rest and goes on to the next group (`spread`)."""
+    if pool is not None and len(xs) == 1 and xs[0].shape[0] == 1 and (
+            getattr(kernel, "per_matrix", False) or _numba_row(xs[0], bank)):
+        return [weighted_sum(spread(xs[0], groups, bank, kernel, pool), weights[0])]
     pairs = None
     for slots, complete in groups:
         part = [expert_pairs(x, s, bank, kernel, complete) for x, s in zip(xs, slots)]
@@ -257,3 +265,37 @@ def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, b
             pairs = [torch.zeros_like(p) for p in part]
         pairs = [torch.where((s >= 0).unsqueeze(-1), p, a) for a, s, p in zip(pairs, slots, part)]
     return [weighted_sum(p, w) for p, w in zip(pairs, weights)]
+
+
+def _numba_row(x: torch.Tensor, bank: Bank) -> bool:
+    return x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu" and bank.row_kernel() is not None
+
+
+def spread(x: torch.Tensor, groups, bank: Bank, kernel: Kernel, pool) -> torch.Tensor:
+    """One decode row's pairs [1, k, h] over this thread and a pool's: the pairs are dealt in turn, as their groups
+    land, to the pool (which computes them in the background) and to this thread, so the expert compute of a
+    streamed layer runs on more than one core while its reads land. Only for kernels that compute just the pairs
+    they are given, each alone (numba's row kernel, per-matrix formats; both release the GIL), so the bits are
+    those of one call."""
+    out, theirs, turn = None, [], 0
+    for (slots,), _ in groups:
+        if out is None:
+            out = x.new_zeros(1, slots.shape[1], x.shape[-1])
+        valid = (slots[0] >= 0).nonzero().flatten().tolist()
+        give = valid[turn::2]
+        keep = sorted(set(valid) - set(give))
+        turn = (turn + len(valid)) % 2
+        if give:
+            theirs.append((give, pool.submit(expert_pairs, x, _only(slots, give), bank, kernel, False)))
+        if keep:
+            out[0, keep] = expert_pairs(x, _only(slots, keep), bank, kernel, False)[0, keep]
+    for give, f in theirs:
+        out[0, give] = f.result()[0, give]
+    return out
+
+
+def _only(slots: torch.Tensor, pairs: list[int]) -> torch.Tensor:
+    """slots [1, k] with every pair but these set to -1 (not computed)."""
+    t = torch.full_like(slots, -1)
+    t[0, pairs] = slots[0, pairs]
+    return t

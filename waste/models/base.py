@@ -60,6 +60,7 @@ class DecoderModel:
         self.predictor = None                   # a stand-in for predict_route: a replayed trace's predictions
         self.timer = NO_TIMER                   # waste bench --profile sets a timing.Timer
         self.prefill_chunk: int | None = None   # at most this many of a sequence's rows per forward (the plan's)
+        self.expert_pool = None                 # threads that share a CPU decode row's experts (Engine.load)
         self.swiglu_limit = config.get("swiglu_limit")   # clamped SwiGLU in every MLP (None: plain)
         self.dense = [self.cfg["layers"][i]["mlp"] == "dense" for i in range(len(self.layers))]
         for lw in self.layers:            # routing math is float32: convert the router once, not per token
@@ -189,7 +190,7 @@ class DecoderModel:
             else:   # computed group by group as the records land (the store reads the rest meanwhile)
                 ahead = None if hs is None else self.predict_next(i, hs)
                 groups = self.experts.resident(i, [idx for _, idx in routed], **({"ahead": ahead} if ahead else {}))
-                ys = routed_groups(ins, [w for w, _ in routed], groups, self.bank, self.kernel)
+                ys = routed_groups(ins, [w for w, _ in routed], groups, self.bank, self.kernel, self.expert_pool)
             ys = [self.expert_out(i, y) for y in ys]
         if self.moe.get("num_shared_experts"):
             with timer.section("trunk matvec"):
@@ -212,6 +213,16 @@ class DecoderModel:
             out = self.graphs.step(items, last_only)
             if out is not None:
                 return out
+        if self.expert_pool is not None and all(it[0].shape[0] == 1 for it in items) and torch.get_num_threads() > 1:
+            # decode rows streamed on the CPU: torch's ops on one thread, the other cores the expert pool's (OpenMP's
+            # workers spin between regions and took them: attention 15x slower, LEARNED §3j); a row computes to the
+            # same bits at any thread count (§3b)
+            n = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                return self.step(items, last_only)
+            finally:
+                torch.set_num_threads(n)
         c = self.prefill_chunk
         # a prompt carrying image rows runs whole: its rows are spliced over its placeholders in one piece
         if c and any(it[0].shape[0] > c for it in items) and not any(len(it) > 3 and it[3] is not None for it in items):

@@ -1,6 +1,7 @@
 """`waste bench`: prefill and decode speed with the expert cache's counters, beside the I/O bound."""
 from __future__ import annotations
 
+import resource
 import time
 
 import torch
@@ -118,6 +119,9 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         "background_fill_bytes": cache.fill_bytes, "evictions": cache.stats.evictions, "feed": feed,
         "prefetch": cache.prefetch, "prefetch_evictions": cache.stats.prefetch_evictions,
         "routing": routing,
+        # the process's peak resident set (ru_maxrss) beside what the memory plan gave it (floor + expert budget)
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "plan_bytes": plan.floor_bytes + plan.budget_bytes,
         "prefill": phase(c0, c1, t1 - t0, len(ids), cpu1 - cpu0), "decode": phase(c1, c2, t2 - t1, n, cpu2 - cpu1),
         **({"profile": prof} if prof else {}),
     }
