@@ -69,6 +69,7 @@ class GeneratedExperts(ExpertCache):
         on_gpu = self.device.type != "cpu"
         self.slab, self.dev_slab = (None, slab) if on_gpu else (slab, None)
         self._mm, self.tiered, self.pinned, self.fits, self.direct = None, False, False, True, False
+        self.tier, self.tier_prefetch, self._tier_next = None, False, None       # no VRAM tier: all in the slab
         self._dirty, self._dev_map, self._parts_of_slot = set(), None, {}
         self.slot_of, self.key_of, self.free = {}, [None] * self.n_slots, []
         self.slot_map = torch.full((max(layers, default=-1) + 1, max(layers.values(), default=0)), -1, dtype=torch.long)
