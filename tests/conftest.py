@@ -1,11 +1,16 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.modules.setdefault("fla", None)
 sys.path.insert(0, str(Path(__file__).parent))
-
+if not torch.cuda.is_available():
+    # the triton kernels (tests/test_moe_triton.py) run in triton's interpreter here; it is chosen as a kernel is
+    # defined, and some tests import triton before that module does, so the whole session sets it first
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,19 +1,16 @@
 """The triton expert kernels (layers/moe_triton.py) against each format's own unpack, per pair, for every format
-kind they serve. Runs through triton's interpreter on a machine without a GPU (TRITON_INTERPRET=1, set here
-before the kernels are defined; triton is in the test extra) and compiled on a GPU machine."""
+kind they serve. Runs through triton's interpreter on a machine without a GPU (TRITON_INTERPRET=1, which
+tests/conftest.py sets for the session; triton is in the test extra) and compiled on a GPU machine."""
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    if "waste.layers.moe_triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the kernels were defined for a GPU before this module set TRITON_INTERPRET=1",
-                    allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"       # read as the @triton.jit kernels are defined
 triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU: TRITON_INTERPRET=1 (tests/conftest.py sets it) runs the kernels in triton's interpreter",
+                allow_module_level=True)
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from triton.runtime import interpreter as _interp
