@@ -122,13 +122,19 @@ def test_prompt_logits_and_greedy_text_match_transformers(rel):
         want = rel["hf"].generate(**{k: hf_in[k] for k in ("input_ids", "pixel_values", "image_grid_thw")},
                                   max_new_tokens=24, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)[0, len(ids):].tolist()
-    state, toks = eng.model.new_state(), []
-    logits = eng.model.step([(ids, state, 0, rows)])[0][-1]
-    for t in range(24):
-        toks.append(int(logits.argmax()))
-        logits = eng.model.step([(torch.tensor(toks[-1:]), state, len(ids) + t)])[0][-1]
+    toks = greedy_with_images(eng, ids, rows, 24)
     print("greedy", toks)
     assert toks == want and len(set(want)) > 3
+
+
+def greedy_with_images(eng, ids, rows, n: int) -> list[int]:
+    """n greedy tokens after a prefill of ids with the image rows spliced in, one decode step each."""
+    state, toks = eng.model.new_state(), []
+    logits = eng.model.step([(ids, state, 0, rows)])[0][-1]
+    for t in range(n):
+        toks.append(int(logits.argmax()))
+        logits = eng.model.step([(torch.tensor(toks[-1:]), state, len(ids) + t)])[0][-1]
+    return toks
 
 
 def test_split_prefill_places_each_row_once(rel):

@@ -22,7 +22,7 @@ PIL = pytest.importorskip("PIL.Image")
 from fixtures import rel_l2  # noqa: E402
 from k3_release import VISION, train_ranks, write_k3_tokenizer, write_release  # noqa: E402
 from test_chat_kimi_k3 import CORPUS, TEMPLATE  # noqa: E402
-from test_vision_glm5 import _huge_png, ask, png  # noqa: E402
+from test_vision_glm5 import _huge_png, ask, greedy_with_images, png  # noqa: E402
 
 import waste  # noqa: E402
 from waste.chat import ChatRequestError  # noqa: E402
@@ -169,11 +169,7 @@ def test_prompt_logits_and_greedy_text_match_mlx_vlm(rel):
     for _ in range(24):
         want.append(int(mx.argmax(logits[0, -1]).item()))
         logits = m.language_model(mx.array([[want[-1]]]), cache=cache).logits
-    state, toks = eng.model.new_state(), []
-    logits = eng.model.step([(ids, state, 0, rows)])[0][-1]
-    for t in range(24):
-        toks.append(int(logits.argmax()))
-        logits = eng.model.step([(torch.tensor(toks[-1:]), state, len(ids) + t)])[0][-1]
+    toks = greedy_with_images(eng, ids, rows, 24)
     print("greedy", toks)
     assert toks == want and len(set(want)) > 3
 
