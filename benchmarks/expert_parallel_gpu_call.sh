@@ -17,7 +17,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 G=$(python3 -c "import torch; print(torch.cuda.device_count())")
 two() { if [ "$G" -ge 2 ]; then "$@"; else echo "skipped (one GPU): $*"; fi; }
 step tests
-two timeout 100 python3 -m pytest -rA -q -p no:cacheprovider tests/test_random_model.py -k gpus 2>&1 | tail -8
+two timeout 80 python3 -m pytest -rA -q -p no:cacheprovider tests/test_random_model.py -k gpus 2>&1 | tail -8
 one() { if [ "$G" -lt 2 ]; then "$@"; else echo "skipped (two GPUs: done on one before): $*"; fi; }
 step "one GPU: the same spec generated twice gives the same bits (fresh processes, float32)"
 W="q=random:qwen3-30b-a3b,layers=2,experts=q4 k=random:kimi-k3,layers=2,experts=mxfp4"
@@ -31,9 +31,6 @@ for n in 'qk':
     print(n, {k: torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor)}, 'greedy', a['greedy'].tolist())
 "
 rm -rf "$OUT/a" "$OUT/b"
-step "exchange alone (no compute): 2048 wide top-8, then K3's latent 3584 top-16"
-two timeout 40 $T benchmarks/expert_parallel.py --device cuda --iters 300 2>&1 | grep -v "^W"
-two timeout 40 $T benchmarks/expert_parallel.py --device cuda --hidden 3584 --top-k 16 --iters 300 2>&1 | grep -v "^W"
 Q=random:qwen3-30b-a3b,experts=q4
 K=random:kimi-k3,experts=mxfp4
 step "qwen3-30b 48 layers q4: 1 GPU, 2 GPUs"
@@ -42,6 +39,9 @@ two timeout 80 $T $B $Q -n 32 --repeat 3 2>&1 | grep -v "^W" | tail -6
 step "kimi-k3 8 layers (7 MoE) mxfp4: 1 GPU, 2 GPUs; 15 layers on 2 GPUs"
 timeout 80 python3 $B $K,layers=8 -n 16 --repeat 3 2>&1 | grep -v "^W" | tail -6
 two timeout 90 $T $B $K,layers=8 -n 16 --repeat 3 2>&1 | grep -v "^W" | tail -6
+step "exchange alone (no compute): 2048 wide top-8, then K3's latent 3584 top-16"
+two timeout 40 $T benchmarks/expert_parallel.py --device cuda --iters 300 2>&1 | grep -v "^W"
+two timeout 40 $T benchmarks/expert_parallel.py --device cuda --hidden 3584 --top-k 16 --iters 300 2>&1 | grep -v "^W"
 two timeout 100 $T $B $K,layers=15 -n 16 --repeat 3 2>&1 | grep -v "^W" | tail -6
 step "one GPU: qwen3-30b 48 layers bf16"
 [ "$G" -ge 2 ] || timeout 90 python3 $B random:qwen3-30b-a3b,experts=bf16 -n 32 --repeat 3 2>&1 | grep -v "^W" | tail -6
