@@ -2,7 +2,6 @@
 client: blocking, async and streaming chat, completions, the wire shape of SSE, errors by name, auth, tokens,
 metrics, and a bounded load test with the server's memory sampled."""
 import asyncio
-import json
 import re
 import threading
 import time
