@@ -51,7 +51,10 @@ class Container:
                 if zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) != crcs[name]:
                     raise DamagedContainer(f"trunk tensor {name} fails its checksum: the container is damaged; "
                                            "run `waste verify` and re-convert")
-        return tensors
+        # safetensors hands back views of its mapping of the file: copied into memory of our own, one at a time, so
+        # the mapping is let go once loaded. Kept, the trunk sat in memory twice (the file's pages beside the copies
+        # the model makes of unaligned or converted tensors): 0.5 GB over the plan on a 26-layer 30B shape
+        return {name: tensors.pop(name).clone() for name in list(tensors)}
 
     def load_vision(self, verify: bool = True) -> dict:
         """The vision tower's tensors (manifest `vision`), each checked against its CRC32; WasteError without one."""
