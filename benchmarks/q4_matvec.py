@@ -18,10 +18,6 @@ szs = rng.integers(0, 2**15, G * N * 2, dtype=np.uint16) & np.uint16(0x3fff)
 x = rng.standard_normal(K).astype(np.float32)
 sf = (szs.astype(np.uint32) << 16).view(np.float32)
 
-@numba.njit(fastmath=True, inline="always")
-def bf16(b):
-    return np.uint32(b) << 16
-
 # reference: dequant then dot (numpy)
 def ref():
     W = np.zeros((N, K), np.float32)
@@ -36,7 +32,7 @@ def ref():
     return W @ x
 
 @numba.njit(fastmath=True)
-def v0(q, szs, G, x, y, acc):   # the current kernel's loop shape
+def v0(q, szs, G, x, y, acc):   # the kernel's loop shape before (quant/q4_numba.py keeps it for odd groups)
     N, K = y.shape[0], x.shape[0]
     gs = K // G
     for n in range(N):
@@ -171,7 +167,7 @@ def v4(q, szs, G, x, y, acc):   # v3 with four k per pass over the accumulators
 
 
 @numba.njit(fastmath=True)
-def v5(q, szs, G, x, y, acc):   # the nibbles as integers added in int32 before one conversion per lane: sum_k c*x needs x float, so instead split x's contribution: no. v4 with 8 k per pass
+def v5(q, szs, G, x, y, acc):   # v4 with eight k per pass
     N, K = y.shape[0], x.shape[0]
     gs = K // G
     for n in range(N):
