@@ -1,6 +1,6 @@
 """Quality of every storage format on the bundled trained model (docs/LEARNED.md, "Quantized formats").
 
-    OPENBLAS_NUM_THREADS=1 python benchmarks/quant_quality.py [--formats q8,q4,...] [--experts-per-token 1] [--json out.json]
+    OPENBLAS_NUM_THREADS=1 python benchmarks/quant_quality.py [--pairs q4:q8,...] [--experts-per-token 1] [--decode] [--json out.json]
 
 Converts waste/bundled/tiny-py-moe once per (experts, trunk) pair into a temporary directory and compares it
 with the bf16 container, both computing in float32: mean KL and top-1 agreement of the next-token
@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--experts-per-token", default="1", help="experts per token (comma-separated counts) to measure on "
                     "the bf16 container")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--decode", action="store_true", help="KL over logits of tokens fed one at a time (the decode "
+                    "rows' kernels) instead of whole windows (prefill's)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: immune to a busy machine's spinning)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -62,7 +64,7 @@ def main() -> None:
         c = convert(BUNDLED, tmp / f"{experts}-{trunk}.waste", experts=experts, trunk=trunk, progress=False)
         tc = time.perf_counter() - t0
         with waste.load(c, dtype="float32") as eng:
-            q = compare(ref, eng, ids, prompts, ref_cache=cache)
+            q = compare(ref, eng, ids, prompts, ref_cache=cache, decode=a.decode)
             m = eng.container.manifest
         errs = [rel_error(get_format(experts), ck.get(n)) for n in mats] if experts != "bf16" else [0.0]
         row = {"experts": experts, "trunk": trunk, **q.row(), "expert_rel_err": sum(errs) / len(errs),

@@ -1,6 +1,7 @@
 """The numba decode-row kernels of the CPU (layers/cpu_kernels.py, quant/q4_numba.py) against torch references, and
 the rules that keep their bits fixed: a row's result depends neither on the thread count nor on what else is in the
 batch, and a numba launch leaves torch's thread count alone."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from waste.layers import norm_cpu
 from waste.quant import int4pack
 from waste.quant.formats import get_format
+from q4ref import int8_rounded, row_product
 
 
 @pytest.fixture
@@ -17,8 +19,8 @@ def threads():
     torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("shape", [(768, 2048), (80, 96), (64, 64), (16, 6)])
-def test_q4_decode_row_is_the_float32_product_at_any_thread_count(shape, threads):
+@pytest.mark.parametrize("shape", [(768, 2048), (2048, 768), (80, 96), (64, 64), (16, 6)])
+def test_q4_decode_row_is_the_product_with_the_int8_rounded_row_at_any_thread_count(shape, threads):
     from waste.quant import q4_numba
 
     fmt, g = get_format("q4"), torch.Generator().manual_seed(0)
@@ -27,15 +29,57 @@ def test_q4_decode_row_is_the_float32_product_at_any_thread_count(shape, threads
     d = fmt.unpack(parts, shape, torch.float64)
     x = torch.randn(1, shape[1], generator=g)
     got = {}
-    for n in (1, 2):
+    for n in (1, 2, 1):
         torch.set_num_threads(n)
-        got[n] = q4_numba.row(x, parts, shape)
-        assert torch.get_num_threads() == n              # numba's launch left torch's count as it was
-    ref = x.double() @ d.T
-    assert ((got[1].double() - ref).norm() / ref.norm()).item() < 1e-6    # float32 throughout: no bf16 rounding
-    assert torch.equal(got[1], got[2])                   # a block is one thread's, whatever the count
+        got.setdefault(n, []).append(q4_numba.row(x, parts, shape))
+        assert torch.equal(got[n][-1], got[1][0])        # a block is one thread's, whatever the count
+        assert torch.equal(torch.tensor(torch.get_num_threads()), torch.tensor(n))   # numba left torch's count
+    G = parts["sz"].shape[0]
+    xr = int8_rounded(x, G).double()                     # within half a step of x
+    assert ((xr - x.double()).abs() <= x.view(G, -1).abs().amax(1).repeat_interleave(shape[1] // G) / 254 + 1e-7).all()
+    ref = row_product(fmt, x, parts, shape)
+    assert ((got[1][0].double() - ref).norm() / ref.norm()).item() < 1e-6    # integer sums, one float32 epilogue
     if int4pack.native() or not int4pack.kernel_ok(*shape, fmt._group(parts, shape)):
-        assert torch.equal(fmt.linear(x, parts, shape), got[1])      # Q4.linear's decode row takes this kernel
+        assert torch.equal(fmt.linear(x, parts, shape), got[1][0])   # Q4.linear's decode row takes this kernel
+
+
+def test_q4_expert_pairs_are_each_pairs_int8_product_at_any_thread_count(threads):
+    """layers/cpu_kernels.py pairs_q4: gate and up take the row rounded to int8 once, down its pair's own SwiGLU
+    output rounded alike; a pair's bits do not depend on the thread count or the other pairs of the call."""
+    from waste.layers import cpu_kernels as ck
+
+    fmt, g = get_format("q4"), torch.Generator().manual_seed(1)
+    h, inter, E = 256, 192, 4
+    shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+    packed = {m: [fmt.pack(torch.randn(shp, generator=g) / shp[1] ** 0.5) for _ in range(E)] for m, shp in shapes.items()}
+    arrays, os = [], []
+    for m in shapes:
+        for key in ("q", "sz"):
+            t = torch.stack([p[key] for p in packed[m]]).contiguous()
+            a = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+            arrays.append(a.reshape(-1))
+            os.append((0, t[0].numel()))
+    os = np.array(os, np.int64)
+    groups = np.array([packed[m][0]["sz"].shape[0] for m in shapes], np.int64)
+    x = torch.randn(1, h, generator=g)
+
+    def call(slots):
+        s = torch.tensor([slots], dtype=torch.int64)
+        out = np.zeros((len(slots), h), np.float32)
+        ck.pairs_q4(x.data_ptr(), h, s.data_ptr(), len(slots), *arrays, os, groups, inter, np.float32(-1), out)
+        return torch.from_numpy(out)
+
+    torch.set_num_threads(2)
+    both = call([2, 0, 3])
+    torch.set_num_threads(1)
+    assert torch.equal(call([2, 0, 3]), both)
+    assert torch.equal(call([0])[0], both[1])            # a pair alone: the same bits
+    for i, e in enumerate((2, 0, 3)):
+        def mv(m, v):                                    # the kernel's product of the matrix m with row v
+            return row_product(fmt, v, packed[m][e], shapes[m])
+
+        ref = mv("down", (F.silu(mv("gate", x)) * mv("up", x)).float())
+        assert ((both[i].double() - ref[0]).norm() / ref.norm()).item() < 1e-5
 
 
 def test_rms_rows_match_torch_and_a_rows_bits_do_not_depend_on_the_batch():

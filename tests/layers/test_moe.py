@@ -5,6 +5,7 @@ import torch
 
 from waste.layers.moe import Bank, kernel_for, routed_experts, segments
 from waste.quant.formats import get_format
+from q4ref import row_product
 
 H, I, E, K = 64, 32, 6, 2
 
@@ -81,7 +82,8 @@ def test_partial_groups_add_up_to_the_whole():
 @pytest.mark.parametrize("limit", [None, 0.05])
 def test_decode_row_kernel_matches_float64(fmt, limit):
     """One float32 row on the CPU goes through layers/moe_cpu.py's numba kernel (the records read in place, the row
-    kept in float32: q4 included, unlike torch's int4 kernel), with and without the clamped SwiGLU."""
+    kept in float32; q4's full blocks take it rounded to int8, tests/q4ref.py), with and without the clamped
+    SwiGLU."""
     bank, dense = make_bank(fmt)
     bank.limit = limit
     assert bank.row_kernel() is not None
@@ -90,11 +92,18 @@ def test_decode_row_kernel_matches_float64(fmt, limit):
     slots = torch.tensor([[5, 2]])
     y = kernel_for(bank.fmt, "cpu")(x, slots, bank)
     for j in range(K):
-        s, xd = int(slots[0, j]), x[0].double()
-        gt, up = dense["gate"][s] @ xd, dense["up"][s] @ xd
+        s = int(slots[0, j])
+
+        def mv(m, v):                                    # the kernel's product of record s's matrix m with row v
+            if fmt != "q4":
+                return dense[m][s] @ v.double()
+            rec = {k: t[s] for k, t in bank.parts[m].items()}
+            return row_product(bank.fmt, v.float()[None], rec, bank.shapes[m])[0]
+
+        gt, up = mv("gate", x[0]), mv("up", x[0])
         if limit is not None:
             gt, up = gt.clamp(max=limit), up.clamp(-limit, limit)
-        want = dense["down"][s] @ (torch.nn.functional.silu(gt) * up)
+        want = mv("down", torch.nn.functional.silu(gt) * up)
         assert (y[0, j].double() - want).norm() / want.norm() < 1e-5
 
 

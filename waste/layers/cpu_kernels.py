@@ -13,7 +13,8 @@ import numpy as np
 
 from ..numba_ptr import at
 from ..quant.int4pack import BLOCK
-from ..quant.q4_numba import mv_q4
+from ..quant.q4_int8 import quantize_row
+from ..quant.q4_numba import mv_q4_i8
 
 f32 = np.float32
 
@@ -108,20 +109,40 @@ def pairs_q8(x_p, h, s_p, k, gq, gs, uq, us, dq, ds, os, inter, limit, out):
         mv_q8(dq, os[4, 0] + s * os[4, 1], ds, os[5, 0] + s * os[5, 1], g, out[p])
 
 
+@numba.njit(fastmath=True, nogil=True)
+def pair_q4(s, x, xq, d, d8sq, sx, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, y):
+    # one pair, its own function rather than the prange body: parfors' hoisting of a body's scratch arrays gave
+    # wrong sums at one thread (measured on the trunk's row kernel, quant/q4_numba.py row_chunk)
+    h = x.shape[0]
+    acc, yb, acci = np.empty(BLOCK, np.float32), np.empty(BLOCK, np.float32), np.zeros(BLOCK, np.int32)
+    g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
+    G = groups[0]
+    mv_q4_i8(gq, os[0, 0] + s * os[0, 1], gz, os[1, 0] + s * os[1, 1], G, x, xq, d, d8sq, sx, g, acc, acci, yb)
+    if groups[1] == G:
+        mv_q4_i8(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], G, x, xq, d, d8sq, sx, u, acc, acci, yb)
+    else:
+        Gu = groups[1]
+        xu, du, eu, tu = np.empty(h, np.int16), np.empty(Gu, np.float32), np.empty(Gu, np.float32), np.empty(Gu, np.float32)
+        quantize_row(x, Gu, xu, du, eu, tu)
+        mv_q4_i8(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], Gu, x, xu, du, eu, tu, u, acc, acci, yb)
+    for i in range(inter):
+        g[i] = act(g[i], u[i], limit)
+    Gd = groups[2]
+    gx, dd, de, dt = np.empty(inter, np.int16), np.empty(Gd, np.float32), np.empty(Gd, np.float32), np.empty(Gd, np.float32)
+    quantize_row(g, Gd, gx, dd, de, dt)
+    mv_q4_i8(dq, os[4, 0] + s * os[4, 1], dz, os[5, 0] + s * os[5, 1], Gd, g, gx, dd, de, dt, y, acc, acci, yb)
+
+
 @numba.njit(fastmath=True, cache=True, parallel=True, nogil=True)   # nogil: layers/moe.py spread
 def pairs_q4(x_p, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, out):
+    # x is rounded to int8 once for every pair's gate and up (quant/q4_int8.py); each pair's down input alone
     x, slots = at(x_p, (h,), np.float32), at(s_p, (k,), np.int64)
+    G = groups[0]
+    xq, d, d8sq, sx = np.empty(h, np.int16), np.empty(G, np.float32), np.empty(G, np.float32), np.empty(G, np.float32)
+    quantize_row(x, G, xq, d, d8sq, sx)
     for p in numba.prange(slots.shape[0]):
-        s = slots[p]
-        if s < 0:
-            continue
-        acc = np.empty(BLOCK, np.float32)
-        g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
-        mv_q4(gq, os[0, 0] + s * os[0, 1], gz, os[1, 0] + s * os[1, 1], groups[0], x, g, acc)
-        mv_q4(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], groups[1], x, u, acc)
-        for i in range(inter):
-            g[i] = act(g[i], u[i], limit)
-        mv_q4(dq, os[4, 0] + s * os[4, 1], dz, os[5, 0] + s * os[5, 1], groups[2], g, out[p], acc)
+        if slots[p] >= 0:
+            pair_q4(slots[p], x, xq, d, d8sq, sx, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, out[p])
 
 
 @numba.njit(fastmath=True, cache=True)

@@ -18,13 +18,17 @@ def rel_error(fmt, w: torch.Tensor) -> float:
     return ((d - w.float()).norm() / w.float().norm()).item()
 
 
-def logits_over(engine, ids: list[int], window: int = 512) -> torch.Tensor:
+def logits_over(engine, ids: list[int], window: int = 512, decode: bool = False) -> torch.Tensor:
     """float32 logits [len(ids), V] over consecutive windows, each from a fresh state (so that every format sees
-    the same contexts)."""
+    the same contexts); decode: each window's tokens fed one at a time, through the decode-row kernels."""
     m = engine.model
     out = []
     for s in range(0, len(ids), window):
-        out.append(m.forward(torch.tensor(ids[s:s + window]), m.new_state(), 0))
+        w, state = ids[s:s + window], m.new_state()
+        if decode:
+            out += [m.forward(torch.tensor(w[i:i + 1]), state, i) for i in range(len(w))]
+        else:
+            out.append(m.forward(torch.tensor(w), state, 0))
     return torch.cat(out).float()
 
 
@@ -59,12 +63,13 @@ class Quality:
 
 
 def compare(ref_engine, engine, ids: list[int], prompts: list[list[int]], n: int = 32, ref_cache: dict | None = None,
-            window: int = 512) -> Quality:
-    """Quality of `engine` against `ref_engine` (ref_cache, if given, memoizes the reference's outputs)."""
+            window: int = 512, decode: bool = False) -> Quality:
+    """Quality of `engine` against `ref_engine` (ref_cache, if given, memoizes the reference's outputs); decode: the
+    logits of tokens fed one at a time (the decode-row kernels) rather than of whole windows (prefill's)."""
     cache = ref_cache if ref_cache is not None else {}
     if "logits" not in cache:
-        cache["logits"] = logits_over(ref_engine, ids, window)
+        cache["logits"] = logits_over(ref_engine, ids, window, decode)
         cache["greedy"] = [greedy(ref_engine, p, n) for p in prompts]
-    kl, top1 = kl_top1(cache["logits"], logits_over(engine, ids, window))
+    kl, top1 = kl_top1(cache["logits"], logits_over(engine, ids, window, decode))
     same = sum(agreement(r, greedy(engine, p, n)) for r, p in zip(cache["greedy"], prompts))
     return Quality(kl, top1, same, n * len(prompts))
