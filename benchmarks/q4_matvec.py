@@ -1,7 +1,8 @@
 """The q4 matrix-vector loop shapes tried for quant/q4_numba.py (docs/LEARNED.md §10, "q4 at a decode row"): one
 768 x 2048 q4 matrix (int4pack's layout, 64-row blocks, groups of 64) times one float32 row, one thread, median us
 and GB/s of nibbles, and the error against a dequantized numpy product. `asm` prints the vector instructions of the
-kept variant (v4): the lane widths say why each shape is as fast as it is.
+kept float variant (v4): the lane widths say why each shape is as fast as it is. `i8` is the kernel kept after them
+(docs/LEARNED.md §10d: the row rounded to int8 per group, 16-bit integer lanes; its error is that rounding's).
 
     python benchmarks/q4_matvec.py N K [asm]          # e.g. 768 2048
 """
@@ -195,8 +196,13 @@ def v5(q, szs, G, x, y, acc):   # v4 with eight k per pass
                 a = lo[j] if j < 32 else hi[j - 32]
                 y[n] += szs[z] * (a - np.float32(8.0) * sx) + szs[z + 1] * sx
 
+def i8(q, sf, G, x, y, acc):    # the kernel kept since (quant/q4_numba.py over q4_int8.py): x rounded to int8 per group
+    from waste.quant.q4_numba import q4_row_serial
+    q4_row_serial(x.ctypes.data, q.ctypes.data, szs.ctypes.data, N, K, G, y)
+
+
 r = ref()
-for name, f in (("v0", v0), ("v1", v1), ("v2", v2), ("v3", v3), ("v4", v4), ("v5", v5)):
+for name, f in (("v0", v0), ("v1", v1), ("v2", v2), ("v3", v3), ("v4", v4), ("v5", v5), ("i8", i8)):
     y = np.zeros(N, np.float32); acc = np.zeros(64, np.float32)
     f(q, sf, G, x, y, acc)
     err = np.linalg.norm(y - r) / np.linalg.norm(r)
