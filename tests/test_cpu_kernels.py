@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from waste.layers import norm_cpu
+from waste.quant.linear import linear
 from waste.quant import int4pack
 from waste.quant.formats import get_format
-from q4ref import int8_rounded, row_product
+from rowref import int8_rounded, q8_row_product, row_product
 
 
 @pytest.fixture
@@ -41,6 +42,40 @@ def test_q4_decode_row_is_the_product_with_the_int8_rounded_row_at_any_thread_co
     assert ((got[1][0].double() - ref).norm() / ref.norm()).item() < 1e-6    # integer sums, one float32 epilogue
     if int4pack.native() or not int4pack.kernel_ok(*shape, fmt._group(parts, shape)):
         assert torch.equal(fmt.linear(x, parts, shape), got[1][0])   # Q4.linear's decode row takes this kernel
+
+
+@pytest.mark.parametrize("shape", [(4096, 512), (96, 320), (320, 96), (16, 40), (8, 16)])
+def test_q8_decode_row_is_the_product_with_the_int8_rounded_row_at_any_thread_count(shape, threads):
+    from waste.quant.linear import QuantWeight
+
+    fmt, g = get_format("q8"), torch.Generator().manual_seed(3)
+    parts = fmt.pack(torch.randn(shape, generator=g) / shape[1] ** 0.5)
+    w = QuantWeight(fmt, parts, shape)
+    x = torch.randn(1, shape[1], generator=g)
+    got = []
+    for n in (1, 2, 1):
+        torch.set_num_threads(n)
+        got.append(linear(x, w))                         # a trunk's float32 decode row takes quant/q8_numba.py
+    assert w.row_kernel() is not None
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+    ref = q8_row_product(fmt, x, parts, shape)
+    assert ((got[0].double() - ref).norm() / ref.norm()).item() < 1e-6    # integer sums, float32 block scales
+    assert ((got[0].double() - x.double() @ fmt.unpack(parts, shape, torch.float64).T).norm() / ref.norm()) < 2e-2
+    exact = x.double() @ fmt.unpack(parts, shape, torch.float64).T   # the format's own linear: x itself (experts)
+    assert ((fmt.linear(x, parts, shape).double() - exact).norm() / exact.norm()).item() < 1e-6
+
+
+def test_bf16_decode_rows_take_the_float32_kernels_rounded():
+    """A bf16 row (the compute dtype above 2 GiB) goes through the same numba kernels, widened and rounded back."""
+    from waste.quant.linear import QuantWeight
+
+    g = torch.Generator().manual_seed(4)
+    for name, shape in (("q4", (128, 256)), ("q8", (96, 320))):
+        fmt = get_format(name)
+        w = QuantWeight(fmt, fmt.pack(torch.randn(shape, generator=g)), shape)
+        x = torch.randn(1, shape[1], generator=g).bfloat16()
+        y = linear(x, w)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, linear(x.float(), w).bfloat16())
 
 
 def test_q4_expert_pairs_are_each_pairs_int8_product_at_any_thread_count(threads):

@@ -7,7 +7,7 @@ from waste.default_model import BUNDLED
 from waste.quant import int4pack
 from waste.quant.formats import get_format
 from waste.quant.quality import rel_error
-from q4ref import row_product
+from rowref import row_product
 
 
 @pytest.mark.parametrize("name", ["q8", "q4", "q4g32", "q4g128", "vq3", "mxfp4"])
@@ -39,7 +39,7 @@ def test_kernel_equals_unpacked_matmul(name, shape):
         y = fmt.linear(x, parts, shape)
         assert y.dtype == torch.float32
         if T == 1 and name.startswith("q4") and fmt.row_kernel(parts, shape) is not None:
-            ref, bf16 = row_product(fmt, x, parts, shape).float(), False    # the decode row: tests/q4ref.py
+            ref, bf16 = row_product(fmt, x, parts, shape).float(), False    # the decode row: tests/rowref.py
         else:
             ref, bf16 = (x.bfloat16().float() if bf16_kernel else x) @ d.T, bf16_kernel
         assert ((y - ref).norm() / ref.norm()).item() < (2 * 2 ** -9 if bf16 else 0) + 1e-5

@@ -5,7 +5,7 @@ import torch
 
 from waste.layers.moe import Bank, kernel_for, routed_experts, segments
 from waste.quant.formats import get_format
-from q4ref import row_product
+from rowref import row_product
 
 H, I, E, K = 64, 32, 6, 2
 
@@ -82,7 +82,7 @@ def test_partial_groups_add_up_to_the_whole():
 @pytest.mark.parametrize("limit", [None, 0.05])
 def test_decode_row_kernel_matches_float64(fmt, limit):
     """One float32 row on the CPU goes through layers/moe_cpu.py's numba kernel (the records read in place, the row
-    kept in float32; q4's full blocks take it rounded to int8, tests/q4ref.py), with and without the clamped
+    kept in float32; q4's full blocks take it rounded to int8, tests/rowref.py), with and without the clamped
     SwiGLU."""
     bank, dense = make_bank(fmt)
     bank.limit = limit

@@ -114,23 +114,23 @@ def pair_q4(s, x, xq, d, d8sq, sx, gq, gz, uq, uz, dq, dz, os, groups, inter, li
     # one pair, its own function rather than the prange body: parfors' hoisting of a body's scratch arrays gave
     # wrong sums at one thread (measured on the trunk's row kernel, quant/q4_numba.py row_chunk)
     h = x.shape[0]
-    acc, yb, acci = np.empty(BLOCK, np.float32), np.empty(BLOCK, np.float32), np.zeros(BLOCK, np.int32)
+    acc = np.empty(BLOCK, np.float32)
     g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)
     G = groups[0]
-    mv_q4_i8(gq, os[0, 0] + s * os[0, 1], gz, os[1, 0] + s * os[1, 1], G, x, xq, d, d8sq, sx, g, acc, acci, yb)
+    mv_q4_i8(gq, os[0, 0] + s * os[0, 1], gz, os[1, 0] + s * os[1, 1], G, x, xq, d, d8sq, sx, g, acc)
     if groups[1] == G:
-        mv_q4_i8(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], G, x, xq, d, d8sq, sx, u, acc, acci, yb)
+        mv_q4_i8(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], G, x, xq, d, d8sq, sx, u, acc)
     else:
         Gu = groups[1]
         xu, du, eu, tu = np.empty(h, np.int16), np.empty(Gu, np.float32), np.empty(Gu, np.float32), np.empty(Gu, np.float32)
         quantize_row(x, Gu, xu, du, eu, tu)
-        mv_q4_i8(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], Gu, x, xu, du, eu, tu, u, acc, acci, yb)
+        mv_q4_i8(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], Gu, x, xu, du, eu, tu, u, acc)
     for i in range(inter):
         g[i] = act(g[i], u[i], limit)
     Gd = groups[2]
     gx, dd, de, dt = np.empty(inter, np.int16), np.empty(Gd, np.float32), np.empty(Gd, np.float32), np.empty(Gd, np.float32)
     quantize_row(g, Gd, gx, dd, de, dt)
-    mv_q4_i8(dq, os[4, 0] + s * os[4, 1], dz, os[5, 0] + s * os[5, 1], Gd, g, gx, dd, de, dt, y, acc, acci, yb)
+    mv_q4_i8(dq, os[4, 0] + s * os[4, 1], dz, os[5, 0] + s * os[5, 1], Gd, g, gx, dd, de, dt, y, acc)
 
 
 @numba.njit(fastmath=True, cache=True, parallel=True, nogil=True)   # nogil: layers/moe.py spread

@@ -188,11 +188,11 @@ per_pair.per_matrix = True      # each pair through its own matmul: exact in a c
 
 
 def cpu_rows(torch_kernel: Kernel) -> Kernel:
-    """On the CPU, a float32 decode row's pairs in one numba call (layers/moe_cpu.py: 2-9x faster than the torch
-    kernels at decode sizes, LEARNED §10); everything else (prefill, another compute dtype, K3's activation)
-    through torch_kernel. Pairs with slot -1 are left zero, as the contract asks."""
+    """On the CPU, a float32 or bf16 decode row's pairs in one numba call (layers/moe_cpu.py: 2-9x faster than the
+    torch kernels at decode sizes, LEARNED §10, §10d); everything else (prefill, K3's activation) through
+    torch_kernel. Pairs with slot -1 are left zero, as the contract asks."""
     def kernel(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
-        nb = bank.row_kernel() if slots.shape[0] == 1 and x.dtype == torch.float32 else None
+        nb = bank.row_kernel() if slots.shape[0] == 1 and x.dtype in moe_cpu.ROW_DTYPES else None
         return nb(x, slots) if nb is not None else torch_kernel(x, slots, bank)
     kernel.__name__ = f"cpu_rows({torch_kernel.__name__})"
     kernel.per_matrix = getattr(torch_kernel, "per_matrix", False)
@@ -268,7 +268,8 @@ def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, b
 
 
 def _numba_row(x: torch.Tensor, bank: Bank) -> bool:
-    return x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu" and bank.row_kernel() is not None
+    return (x.shape[0] == 1 and x.dtype in moe_cpu.ROW_DTYPES and x.device.type == "cpu"
+            and bank.row_kernel() is not None)
 
 
 def spread(x: torch.Tensor, groups, bank: Bank, kernel: Kernel, pool) -> torch.Tensor:

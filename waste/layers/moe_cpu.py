@@ -8,8 +8,9 @@ nothing is gathered or widened first.
 
 Exact per pair: each pair is computed by the same loops whatever else is in the call and on one thread (the pairs
 of a row are spread over torch's thread count, one pair per thread at a time), so a pair gives the same bits in any
-group, at any budget, at any thread count. Float32 compute only; another
-compute dtype, another activation (K3's SiTU-GLU) or more than one row take layers/moe.py's torch kernels.
+group, at any budget, at any thread count. The kernels compute in float32; a bf16 row (the compute dtype of
+models above 2 GiB) is widened on the way in and its pairs rounded back to bf16 on the way out. Another activation
+(K3's SiTU-GLU) or more than one row take layers/moe.py's torch kernels.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import functools
 import numpy as np
 import torch
 
+ROW_DTYPES = (torch.float32, torch.bfloat16)      # the compute dtypes a decode row takes these kernels in
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,9 +65,11 @@ class NumbaPairs:
             self.fn, self.args = _kernels()["q4"], (*arrays, os, groups, inter, limit)
 
     def __call__(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """x [1, h] float32, slots [1, k] int64 (-1: left zero) -> [1, k, h]."""
+        """x [1, h] float32 or bf16, slots [1, k] int64 (-1: left zero) -> [1, k, h] in x's dtype."""
         k, h = slots.shape[1], x.shape[-1]
         out = np.zeros((1, k, h), np.float32)
+        if x.dtype != torch.float32:
+            return self(x.float(), slots).to(x.dtype)
         x = x if x.is_contiguous() else x.contiguous()
         slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
         self.follow()

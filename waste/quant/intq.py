@@ -26,6 +26,13 @@ Q8_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)
 Q4_REFITS = 3
 
 
+@functools.lru_cache(maxsize=1)
+def _q8_numba():
+    from . import q8_numba      # imports numba: only when a CPU decode row first needs it
+
+    return q8_numba
+
+
 class Q8(Format):
     name, bits, kind = "q8", 8.0, "q8"
 
@@ -53,6 +60,14 @@ class Q8(Format):
 
     def unpack(self, parts, shape, dtype):
         return (parts["q"].view(shape).float() * parts["scale"].float()[:, None]).to(dtype)
+
+    def row_kernel(self, parts, shape):
+        """numba's q8 decode row (quant/q8_numba.py: x rounded to int8 in blocks of 32, integer dots), for the
+        trunk's rows (quant/linear.py); linear() below stays float32-exact (the expert kernels call it per pair)."""
+        q, s = parts["q"], parts["scale"]
+        if q.device.type != "cpu" or s.dtype != torch.float32 or not (q.is_contiguous() and s.is_contiguous()):
+            return None
+        return _q8_numba().RowKernel(parts, shape)
 
     def linear(self, x, parts, shape):
         if x.dtype == torch.float32:

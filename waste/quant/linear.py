@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from .formats import get_format
 
+ROW_DTYPES = (torch.float32, torch.bfloat16)      # decode rows that take a format's numba row kernel
+
 
 class QuantWeight:
     """A matrix kept in its stored format; multiplied through the format's own kernel."""
@@ -34,7 +36,7 @@ class QuantWeight:
         return self.fmt.unpack(self.parts, self.shape, dtype)
 
     def row_kernel(self):
-        """The format's kernel for one float32 row on the CPU, made once (its arguments bound), or None."""
+        """The format's kernel for one float32 row on the CPU (a bf16 row widened to it), made once, or None."""
         if self._row is False:
             self._row = self.fmt.row_kernel(self.parts, self.shape)
         return self._row
@@ -50,10 +52,11 @@ class QuantWeight:
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ w.T (+ bias), in x's dtype, for a float tensor or a QuantWeight."""
     if isinstance(w, QuantWeight):
-        if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu":
+        if x.dim() == 2 and x.shape[0] == 1 and x.dtype in ROW_DTYPES and x.device.type == "cpu":
             rk = w.row_kernel()          # a decode row: one numba call, no dispatch through the format
             if rk is not None:
-                y = rk(x)
+                # the kernels compute in float32: a bf16 row (models above 2 GiB) is widened and the result rounded
+                y = rk(x) if x.dtype == torch.float32 else rk(x.float()).to(x.dtype)
                 return y if bias is None else y + bias.to(y.dtype)
         if x.dim() == 2:            # rows already: no reshapes (each is an operator a decode step pays for)
             y = w.fmt.linear(x, w.parts, w.shape)

@@ -18,67 +18,86 @@ from __future__ import annotations
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 KSTEP = 16                      # k per integer pass: 16 x 15 x 127 < 2^15
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _V8, _V16, _V32, _VF = (ir.VectorType(t, 32) for t in (_I8, _I16, _I32, _F32))
 _LANE0 = ir.Constant(_I32, 0)
-_SPLAT = ir.Constant(ir.VectorType(_I32, 32), [0] * 32)
 
 
 def _splat(builder, value, vtype):
-    undef = ir.Constant(vtype, ir.Undefined)
-    return builder.shuffle_vector(builder.insert_element(undef, value, _LANE0), undef, _SPLAT)
+    undef, lanes = ir.Constant(vtype, ir.Undefined), vtype.count
+    mask = ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
+    return builder.shuffle_vector(builder.insert_element(undef, value, _LANE0), undef, mask)
 
 
 def _ptr(builder, addr, t):
     return builder.inttoptr(addr, t.as_pointer())
 
 
+def _data(context, builder, ty, value, t):
+    """A numba array argument's data pointer, as a pointer to t: real pointer provenance, so LLVM sees every
+    access the kernel's numba code makes to the same array (an address passed as an integer hides them)."""
+    return builder.bitcast(context.make_array(ty)(context, builder, value).data, t.as_pointer())
+
+
+def _at(builder, base, index, t):
+    return builder.bitcast(builder.gep(base, [index]), t.as_pointer())
+
+
 @intrinsic
-def dot16(typingctx, b_p, x_p, acc_p):
-    """acc int32 [64] += the 64 rows of a full block over 16 k: nibbles at b_p (16 x 32 bytes: byte j of a k holds
-    row j low, row j + 32 high), x_p 16 int16 (the int8-rounded row)."""
+def block_out(typingctx, q_a, sz_a, N, xq, d, d8sq, sx, y, y0):
+    """y[y0:y0 + 64] = one full block's 64 rows of W x from x rounded to int8 (xq int16 [K]; d, d8sq, sx float32
+    [G] from quantize_row). q_a: the block's nibbles (K x 32 bytes: byte j of a k holds row j low, row j + 32
+    high); sz_a: its first row's (s, z) bf16 pair in group 0, group g's N pairs further ([G, N, 2]). Integer sums
+    in 16-bit lanes over 16 k, int32 over a group, a float32 epilogue a group, all in registers."""
     def codegen(context, builder, sig, args):
-        rows, xs = _ptr(builder, args[0], _V8), _ptr(builder, args[1], _I16)
+        q_a, sz_a, N, xq_v, d_v, d8_v, sx_v, y_v, y0 = args
+        tys = sig.args
+        i64 = ir.IntType(64)
+        qb, szb = builder.inttoptr(q_a, _I8.as_pointer()), builder.inttoptr(sz_a, _I32.as_pointer())
+        xs = _data(context, builder, tys[3], xq_v, _I16)
+        dp, d8p, sxp = (_data(context, builder, tys[i], args[i], _F32) for i in (4, 5, 6))
+        yp = builder.gep(_data(context, builder, tys[7], y_v, _F32), [y0])
+        K = context.make_array(tys[3])(context, builder, xq_v).nitems
+        G = context.make_array(tys[4])(context, builder, d_v).nitems
+        gs = builder.sdiv(K, G)
         m15, four = ir.Constant(_V16, [15] * 32), ir.Constant(_V16, [4] * 32)
-        lo = hi = ir.Constant(_V16, None)
-        for k in range(KSTEP):
-            c = builder.zext(builder.load(builder.gep(rows, [ir.Constant(_I32, k)]), align=1), _V16)
-            xk = _splat(builder, builder.load(builder.gep(xs, [ir.Constant(_I32, k)]), align=2), _V16)
-            lo = builder.add(lo, builder.mul(builder.and_(c, m15), xk))
-            hi = builder.add(hi, builder.mul(builder.lshr(c, four), xk))
-        acc = _ptr(builder, args[2], _V32)
-        for h, v in enumerate((lo, hi)):
-            a = builder.gep(acc, [ir.Constant(_I32, h)])
-            builder.store(builder.add(builder.load(a, align=4), builder.sext(v, _V32)), a, align=4)
-        return context.get_dummy_value()
-    return types.void(types.int64, types.int64, types.int64), codegen
-
-
-@intrinsic
-def group_out(typingctx, acc_p, sz_p, y_p, d, d8sq, sx):
-    """y float32 [64] += s (d acc - d8sq) + z sx for the block's 64 rows of one group, then acc = 0; sz_p: the
-    rows' (s, z) bf16 pairs, read as one 32-bit word a row (s the low half, z the high: little-endian)."""
-    def codegen(context, builder, sig, args):
-        acc, sz, y = _ptr(builder, args[0], _V32), _ptr(builder, args[1], _V32), _ptr(builder, args[2], _VF)
-        dv, d8v, sxv = (_splat(builder, v, _VF) for v in args[3:])
         sixteen, high = ir.Constant(_V32, [16] * 32), ir.Constant(_V32, [-65536] * 32)
+        yacc = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(2)]
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(_V32, None)) for _ in range(2)]
+        with cgutils.for_range(builder, G) as gl:
+            g = gl.index
+            for a in acc:
+                builder.store(ir.Constant(_V32, None), a)
+            k0 = builder.mul(g, gs)
+            with cgutils.for_range(builder, builder.sdiv(gs, ir.Constant(i64, KSTEP))) as cl:
+                kc = builder.add(k0, builder.mul(cl.index, ir.Constant(i64, KSTEP)))
+                lo = hi = ir.Constant(_V16, None)
+                for k in range(KSTEP):
+                    kk = builder.add(kc, ir.Constant(i64, k))
+                    row = _at(builder, qb, builder.mul(kk, ir.Constant(i64, 32)), _V8)
+                    c = builder.zext(builder.load(row, align=1), _V16)
+                    xk = _splat(builder, builder.load(builder.gep(xs, [kk]), align=2), _V16)
+                    lo = builder.add(lo, builder.mul(builder.and_(c, m15), xk))
+                    hi = builder.add(hi, builder.mul(builder.lshr(c, four), xk))
+                for a, v in zip(acc, (lo, hi)):
+                    builder.store(builder.add(builder.load(a), builder.sext(v, _V32)), a)
+            dg, d8g, sxg = (_splat(builder, builder.load(builder.gep(p, [g])), _VF) for p in (dp, d8p, sxp))
+            szg = builder.gep(szb, [builder.mul(g, N)])
+            for h in range(2):
+                w = builder.load(_at(builder, szg, ir.Constant(i64, 32 * h), _V32), align=1)
+                s = builder.bitcast(builder.shl(w, sixteen), _VF)
+                z = builder.bitcast(builder.and_(w, high), _VF)
+                t = builder.fsub(builder.fmul(dg, builder.sitofp(builder.load(acc[h]), _VF)), d8g)
+                builder.store(builder.fadd(builder.load(yacc[h]), builder.fadd(builder.fmul(s, t), builder.fmul(z, sxg))),
+                              yacc[h])
         for h in range(2):
-            i = [ir.Constant(_I32, h)]
-            w = builder.load(builder.gep(sz, i), align=1)
-            s = builder.bitcast(builder.shl(w, sixteen), _VF)
-            z = builder.bitcast(builder.and_(w, high), _VF)
-            a = builder.gep(acc, i)
-            t = builder.fsub(builder.fmul(dv, builder.sitofp(builder.load(a, align=4), _VF)), d8v)
-            yh = builder.gep(y, i)
-            builder.store(builder.fadd(builder.load(yh, align=4), builder.fadd(builder.fmul(s, t), builder.fmul(z, sxv))),
-                          yh, align=4)
-            builder.store(ir.Constant(_V32, None), a, align=4)
+            builder.store(builder.load(yacc[h]), _at(builder, yp, ir.Constant(i64, 32 * h), _VF), align=4)
         return context.get_dummy_value()
-    return types.void(types.int64, types.int64, types.int64, types.float32, types.float32, types.float32), codegen
+    return types.void(types.int64, types.int64, types.int64, xq, d, d8sq, sx, y, types.int64), codegen
 
 
 @numba.njit(fastmath=True, inline="always")
@@ -101,16 +120,3 @@ def quantize_row(x, G, xq, d, d8sq, sx):
             xq[k] = v
             s += v
         d[g], d8sq[g], sx[g] = dg, dg * np.float32(8 * s), t
-
-
-@numba.njit(fastmath=True, inline="always")
-def block_i8(q_a, sz_a, G, N, K, b, xq_a, d, d8sq, sx, acc_a, yb_a):
-    """Block b (full, 64 rows) of W x into yb [64] from the int8 row: q_a the matrix's nibbles' address, sz_a its
-    (s, z) pairs' address ([G, N, 2] bf16), xq_a / acc_a / yb_a addresses of xq int16 [K], acc int32 [64] (zero)
-    and yb float32 [64] (zero)."""
-    gs = K // G
-    base = q_a + b * 32 * K
-    for g in range(G):
-        for c in range(g * gs // KSTEP, (g * gs + gs) // KSTEP):
-            dot16(base + c * KSTEP * 32, xq_a + c * KSTEP * 2, acc_a)
-        group_out(acc_a, sz_a + (g * N + b * 64) * 4, yb_a, d[g], d8sq[g], sx[g])

@@ -16,7 +16,7 @@ from numba.extending import intrinsic
 
 from ..numba_ptr import at, follow_torch_threads
 from .int4pack import BLOCK
-from .q4_int8 import KSTEP, block_i8, quantize_row
+from .q4_int8 import KSTEP, block_out, quantize_row
 
 
 @intrinsic
@@ -98,20 +98,17 @@ def i8_blocks(N, K, G):                # full blocks the int8 path takes (the re
 
 
 @numba.njit(fastmath=True, inline="always")
-def mv_q4_i8(q, o, sz, zo, G, x, xq, d, d8sq, sx, y, acc, acci, yb):
+def mv_q4_i8(q, o, sz, zo, G, x, xq, d, d8sq, sx, y, acc):
     """mv_q4 with x's int8 rounding (xq, d, d8sq, sx from quantize_row) for the full blocks: their integer dot is
-    2.3x the float loop's speed (q4_int8.py); a tail block and groups not a multiple of 16 keep the float loop.
-    acci int32 [64] must be zero (left zero), acc float32 [64] and yb float32 [64] are scratch."""
+    2-2.5x the float loop's speed (q4_int8.py); a tail block and groups not a multiple of 16 keep the float loop
+    (acc float32 [64]: its scratch)."""
     N, K = y.shape[0], x.shape[0]
     szs = sz[zo:zo + G * N * 2]
     nfull = i8_blocks(N, K, G)
     # addresses as int64: numba's uint64 (ctypes.data) plus int64 is a float64
     qa, sa = np.int64(q.ctypes.data) + o, np.int64(szs.ctypes.data)
-    xa, ia, ya = np.int64(xq.ctypes.data), np.int64(acci.ctypes.data), np.int64(yb.ctypes.data)
     for b in range(nfull):
-        yb[:] = 0.0
-        block_i8(qa, sa, G, N, K, b, xa, d, d8sq, sx, ia, ya)
-        y[b * BLOCK:b * BLOCK + BLOCK] = yb
+        block_out(qa + b * 32 * K, sa + b * BLOCK * 4, N, xq, d, d8sq, sx, y, b * BLOCK)
     for b in range(nfull, (N + BLOCK - 1) // BLOCK):
         q4_block(q, o, szs, G, N, K, b, x, y, acc)
 
@@ -121,15 +118,12 @@ CHUNK = 8                               # blocks per parallel task of a trunk ro
 
 @numba.njit(fastmath=True)
 def row_chunk(c, x, q, szs, q_p, sz_p, N, K, G, xq, d, d8sq, sx, y):   # blocks [CHUNK c, CHUNK c + CHUNK) of a row
-    # its own function, not the prange body: parfors' hoisting of the body's scratch broke the one-thread case
+    # its own function, not the prange body: parfors' hoisting of a body's scratch broke the one-thread case
     nfull, nb = i8_blocks(N, K, G), (N + BLOCK - 1) // BLOCK
-    acc, yb, acci = np.empty(BLOCK, np.float32), np.empty(BLOCK, np.float32), np.zeros(BLOCK, np.int32)
-    xa, ia, ya = np.int64(xq.ctypes.data), np.int64(acci.ctypes.data), np.int64(yb.ctypes.data)
+    acc = np.empty(BLOCK, np.float32)
     for b in range(c * CHUNK, min(nb, c * CHUNK + CHUNK)):
         if b < nfull:
-            yb[:] = 0.0
-            block_i8(q_p, sz_p, G, N, K, b, xa, d, d8sq, sx, ia, ya)
-            y[b * BLOCK:b * BLOCK + BLOCK] = yb
+            block_out(q_p + b * 32 * K, sz_p + b * BLOCK * 4, N, xq, d, d8sq, sx, y, b * BLOCK)
         else:
             q4_block(q, 0, szs, G, N, K, b, x, y, acc)
 

@@ -1,6 +1,9 @@
-"""What the CPU's q4 decode row computes (quant/q4_int8.py), written in torch for the tests: W = (nibble - 8) s + z
-per group; full 64-row blocks of groups a multiple of 16 multiply the (nibble - 8) s part by the row rounded to int8
-per group and the zero points by the row itself; other rows take the row as it is."""
+"""What the CPU's quantized decode rows compute, written in torch for the tests.
+
+q4 (quant/q4_int8.py): W = (nibble - 8) s + z per group; full 64-row blocks of groups a multiple of 16 multiply the
+(nibble - 8) s part by the row rounded to int8 per group and the zero points by the row itself; other rows take the
+row as it is. q8 (quant/q8_numba.py): W = code x row scale; the row rounded to int8 in blocks of 32, the columns
+past the last full block as they are."""
 import torch
 
 
@@ -22,3 +25,12 @@ def row_product(fmt, x: torch.Tensor, parts: dict, shape) -> torch.Tensor:
     n8 = N // 64 * 64 if (K // G) % 16 == 0 else 0
     xr, x = int8_rounded(x, G).double(), x.double()
     return torch.cat([xr @ (d[:n8] - Z[:n8]).T + x @ Z[:n8].T, x @ d[n8:].T], 1)
+
+
+def q8_row_product(fmt, x: torch.Tensor, parts: dict, shape) -> torch.Tensor:
+    """x [1, K] times the q8 matrix, float64, as the decode-row kernel defines it."""
+    N, K = shape
+    nb = K // 32
+    w = fmt.unpack(parts, shape, torch.float64)
+    xr = torch.cat([int8_rounded(x[:, :nb * 32], nb), x[:, nb * 32:]], 1) if nb else x
+    return xr.double() @ w.T
