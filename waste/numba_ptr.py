@@ -9,6 +9,7 @@ this module imports numba: import it lazily.
 from __future__ import annotations
 
 import numba
+import numpy as np
 import torch
 from numba.core import cgutils, types
 from numba.extending import intrinsic
@@ -36,3 +37,25 @@ def follow_torch_threads() -> None:
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+
+
+# below this many weights a matrix's row kernel runs on one thread: a parallel launch costs a few us
+PARALLEL_MIN = 1 << 16
+
+
+class BoundRow:
+    """x [1, K] float32 @ W.T -> [1, N] float32 through a numba row kernel `fn(x_p, *args, y)`, its arguments bound
+    once (the format's parts stay referenced: the kernel reads their memory); `parallel` (spread over torch's
+    threads) from PARALLEL_MIN weights, `serial` below."""
+
+    def __init__(self, parallel, serial, parts: dict, args: tuple, shape):
+        N, K = shape
+        self.parts, self.N, self.args = parts, N, args
+        self.fn = parallel if N * K >= PARALLEL_MIN else serial
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.is_contiguous() else x.contiguous()
+        out = np.empty((1, self.N), np.float32)
+        follow_torch_threads()
+        self.fn(x.data_ptr(), *self.args, out[0])
+        return torch.from_numpy(out)

@@ -14,7 +14,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from ..numba_ptr import at, follow_torch_threads
+from ..numba_ptr import BoundRow, at
 from .int4pack import BLOCK
 from .q4_int8 import KSTEP, block_out, quantize_row
 
@@ -150,29 +150,11 @@ def q4_row_serial(x_p, q_p, sz_p, N, K, G, y):   # the same blocks in order: bel
     q4_row_body(x_p, q_p, sz_p, N, K, G, y)
 
 
-# below this many weights (32 KB of nibbles) a matrix runs on one thread: a parallel launch costs a few us
-PARALLEL_MIN = 1 << 16
-
-
-class RowKernel:
-    """x [1, K] float32 @ W.T -> [1, N] float32 for one q4 matrix (stored layout), its arguments bound once, in
-    float32 throughout: torch's int4 kernel takes x as bf16, two casts beside it, ~10 us of dispatch at a row."""
-
-    def __init__(self, parts: dict, shape):
-        N, K = shape
-        self.parts, self.N = parts, N             # the parts stay referenced: the kernel reads their memory
-        self.args = (parts["q"].data_ptr(), parts["sz"].data_ptr(), N, K, parts["sz"].shape[0])
-        self.parallel = N * K >= PARALLEL_MIN
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x if x.is_contiguous() else x.contiguous()
-        out = np.empty((1, self.N), np.float32)
-        if self.parallel:
-            follow_torch_threads()
-            q4_row(x.data_ptr(), *self.args, out[0])
-        else:
-            q4_row_serial(x.data_ptr(), *self.args, out[0])
-        return torch.from_numpy(out)
+def RowKernel(parts: dict, shape) -> BoundRow:
+    """One q4 matrix (stored layout) times a float32 row: x rounded to int8 for the full blocks (q4_int8.py)."""
+    N, K = shape
+    args = (parts["q"].data_ptr(), parts["sz"].data_ptr(), N, K, parts["sz"].shape[0])
+    return BoundRow(q4_row, q4_row_serial, parts, args, shape)
 
 
 def row(x: torch.Tensor, parts: dict, shape) -> torch.Tensor:

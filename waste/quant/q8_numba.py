@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-import torch
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from ..numba_ptr import at, follow_torch_threads
+from ..numba_ptr import BoundRow, at
 from .q4_int8 import _F32, _I16, _I32, _at, _data, _splat, quantize_row
 
 XBLOCK = 32                    # x's rounding block and the integer pass's length (Q8_0's): K = 96 has no tail
@@ -89,24 +88,7 @@ def q8_row_serial(x_p, q_p, s_p, N, K, y):       # the same chunks in order (sma
     q8_row_body(x_p, q_p, s_p, N, K, y)
 
 
-PARALLEL_MIN = 1 << 16
-
-
-class RowKernel:
-    """x [1, K] float32 @ W.T -> [1, N] float32 for one q8 matrix, its arguments bound once."""
-
-    def __init__(self, parts: dict, shape):
-        N, K = shape
-        self.parts, self.N = parts, N
-        self.args = (parts["q"].data_ptr(), parts["scale"].data_ptr(), N, K)
-        self.parallel = N * K >= PARALLEL_MIN
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x if x.is_contiguous() else x.contiguous()
-        out = np.empty((1, self.N), np.float32)
-        if self.parallel:
-            follow_torch_threads()
-            q8_row(x.data_ptr(), *self.args, out[0])
-        else:
-            q8_row_serial(x.data_ptr(), *self.args, out[0])
-        return torch.from_numpy(out)
+def RowKernel(parts: dict, shape) -> BoundRow:
+    """One q8 matrix times a float32 row."""
+    N, K = shape
+    return BoundRow(q8_row, q8_row_serial, parts, (parts["q"].data_ptr(), parts["scale"].data_ptr(), N, K), shape)
