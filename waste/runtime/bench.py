@@ -57,6 +57,13 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
     elif routing.startswith("trace:") and getattr(model, "moe", None):
         model.router, model.predictor = trace.replay(model, trace.load(routing[len("trace:"):]))
     recorder = trace.Recorder(model) if record_trace else None
+    # a bank that fits is filled in the background from load on; timing beside the fill would measure the fill's
+    # reads and checksums competing for the cores, not the model (on 2 cores: 26 against 66 tok/s, LEARNED §10d),
+    # so the phases start once it is done (`--no-preload` measures a cold cache instead)
+    tw = time.perf_counter()
+    if getattr(cache, "wait_fill", None):
+        cache.wait_fill()
+    fill_wait = time.perf_counter() - tw
     try:
         c0 = counters()
         cpu0 = time.process_time()        # CPU seconds of the whole process (reader threads too): what load does
@@ -116,7 +123,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         "working_set_bytes": plan.working_set_bytes, "record_bytes": rec,
         "read_mode": getattr(cache, "read_mode", None) or ("O_DIRECT" if cache.direct else "buffered + FADV_DONTNEED"),
         "disk_bandwidth_gb_per_s": bw / 1e9, "disk_bandwidth_mode": "O_DIRECT" if direct else "buffered (O_DIRECT refused)",
-        "background_fill_bytes": cache.fill_bytes, "evictions": cache.stats.evictions, "feed": feed,
+        "background_fill_bytes": cache.fill_bytes, "fill_wait_seconds": fill_wait, "evictions": cache.stats.evictions, "feed": feed,
         "prefetch": cache.prefetch, "prefetch_evictions": cache.stats.prefetch_evictions,
         "routing": routing,
         # the process's peak resident set (ru_maxrss) beside what the memory plan gave it (floor + expert budget)
@@ -155,7 +162,8 @@ def report_lines(r: dict) -> list[str]:
         if p["prefetch_precision"] is not None:
             out.append(f"{'':<12} prefetch read {fmt_bytes(p['prefetch_bytes'])}; next-layer prediction precision "
                        f"{100 * p['prefetch_precision']:.1f}%, recall {100 * p['prefetch_recall']:.1f}%")
-    out.append(f"fill         background fill read {fmt_bytes(r['background_fill_bytes'])}; evictions {r['evictions']}"
+    out.append(f"fill         background fill read {fmt_bytes(r['background_fill_bytes'])} (timing waited "
+               f"{r['fill_wait_seconds']:.2f} s for it); evictions {r['evictions']}"
                f" (prefetch {'on' if r['prefetch'] else 'off'}, its evictions {r['prefetch_evictions']})")
     if "profile" in r:
         p = r["profile"]
