@@ -8,6 +8,8 @@ this module imports numba: import it lazily.
 """
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 import torch
@@ -28,15 +30,23 @@ def at(addr, shape, dtype):
     return numba.carray(_void_ptr(addr), shape, dtype)
 
 
+_followed = threading.local()      # per thread, as numba's count is: the torch count last followed
+
+
 def follow_torch_threads() -> None:
-    """numba's pool follows torch's thread count (`--threads`), which callers may change between calls (~1 us).
-    numba's OpenMP layer shares torch's OpenMP runtime, and starting its pool (the first call) sets the runtime's
-    count to every core: torch's own count is put back, or torch's reductions would change their bits."""
+    """numba's pool follows torch's thread count (`--threads`), which callers may change between calls. numba's
+    OpenMP layer shares torch's OpenMP runtime, and starting its pool (the first call) sets the runtime's count to
+    every core: torch's own count is put back, or torch's reductions would change their bits. Nothing else sets
+    numba's count, so while torch's stays what this thread last followed there is nothing to do (numba's own
+    get_num_threads costs ~4 us, 0.18 ms a bundled decode step when asked every call)."""
     n = torch.get_num_threads()
+    if getattr(_followed, "n", None) == n:
+        return
     if numba.get_num_threads() != n:
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+    _followed.n = n
 
 
 # below this many weights a matrix's row kernel runs on one thread: a parallel launch costs a few us
@@ -51,11 +61,12 @@ class BoundRow:
     def __init__(self, parallel, serial, parts: dict, args: tuple, shape):
         N, K = shape
         self.parts, self.N, self.args = parts, N, args
-        self.fn = parallel if N * K >= PARALLEL_MIN else serial
+        self.fn, self.parallel = (parallel, True) if N * K >= PARALLEL_MIN else (serial, False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.is_contiguous() else x.contiguous()
         out = np.empty((1, self.N), np.float32)
-        follow_torch_threads()
+        if self.parallel:
+            follow_torch_threads()
         self.fn(x.data_ptr(), *self.args, out[0])
         return torch.from_numpy(out)
