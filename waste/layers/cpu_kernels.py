@@ -111,8 +111,7 @@ def pairs_q8(x_p, h, s_p, k, gq, gs, uq, us, dq, ds, os, inter, limit, out):
 
 @numba.njit(fastmath=True, nogil=True)
 def pair_q4(s, x, xq, d, d8sq, sx, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, y):
-    # one pair, its own function rather than the prange body: parfors' hoisting of a body's scratch arrays gave
-    # wrong sums at one thread (measured on the trunk's row kernel, quant/q4_numba.py row_chunk)
+    # one pair, its own function (its scratch its own) rather than the prange body
     h = x.shape[0]
     acc = np.empty(BLOCK, np.float32)
     g, u = np.empty(inter, np.float32), np.empty(inter, np.float32)

@@ -118,7 +118,7 @@ CHUNK = 8                               # blocks per parallel task of a trunk ro
 
 @numba.njit(fastmath=True)
 def row_chunk(c, x, q, szs, q_p, sz_p, N, K, G, xq, d, d8sq, sx, y):   # blocks [CHUNK c, CHUNK c + CHUNK) of a row
-    # its own function, not the prange body: parfors' hoisting of a body's scratch broke the one-thread case
+    # its own function (its scratch its own), not the prange body
     nfull, nb = i8_blocks(N, K, G), (N + BLOCK - 1) // BLOCK
     acc = np.empty(BLOCK, np.float32)
     for b in range(c * CHUNK, min(nb, c * CHUNK + CHUNK)):

@@ -55,7 +55,7 @@ def row_dot(typingctx, w_a, xq, d, nb):
 
 
 @numba.njit(fastmath=True)
-def rows_chunk(r0, r1, x, q, q_a, sc, K, xq, d, y):    # rows [r0, r1): its own function, not a prange body (§10d)
+def rows_chunk(r0, r1, x, q, q_a, sc, K, xq, d, y):    # rows [r0, r1): its own function, not a prange body
     nb = K // XBLOCK
     for n in range(r0, r1):
         t = row_dot(q_a + n * K, xq, d, nb) if nb else np.float32(0.0)
