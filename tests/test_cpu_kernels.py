@@ -129,3 +129,50 @@ def test_rms_rows_match_torch_and_a_rows_bits_do_not_depend_on_the_batch():
             buf[i:i + h] = x[i]
             assert torch.equal(norm_cpu.rms_rows(buf[i:i + h].view(1, h), w, 1e-6), got[i:i + 1])
     assert norm_cpu.rms_rows(torch.randn(2, 3, 8), torch.ones(8), 1e-6).shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_decode_row_against_float64_and_its_cache_write(dtype, threads):
+    """layers/attention_cpu.py: q/k norm, rotary, the cache write and attention of one row. A bf16 row (models above
+    2 GiB) runs the same float32 kernel over its bf16 cache: the key and value it writes are the float32 ones
+    rounded to nearest even, and it attends over the cache as stored."""
+    from waste.layers import attention_cpu
+
+    g = torch.Generator().manual_seed(5)
+    H, G, d, n, cap = 4, 2, 16, 6, 10
+    qkv = torch.randn(1, (H + 2 * G) * d, generator=g).to(dtype)
+    qn, kn = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype), (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    ang = torch.rand(d // 2, generator=g) * 3
+    cos, sin = torch.cat([ang.cos(), ang.cos()]).to(dtype), torch.cat([ang.sin(), ang.sin()]).to(dtype)
+    K, V = torch.randn(cap, G, d, generator=g).to(dtype), torch.randn(cap, G, d, generator=g).to(dtype)
+    K0, V0 = K.clone(), V.clone()
+    torch.set_num_threads(2)
+    out = attention_cpu.gqa_row(qkv, H, G, qn, kn, 1e-6, cos, sin, K, V, n)
+    assert out.dtype == dtype
+
+    def norm_rope(t, w):                                 # float64, rotate-half
+        t = t.double()
+        t = t / (t.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double()
+        half = d // 2
+        rot = torch.cat([-t[..., half:], t[..., :half]], -1)
+        return t * cos.double() + rot * sin.double()
+
+    x = qkv.view(H + 2 * G, d)
+    k_new, v_new = norm_rope(x[H:H + G], kn), x[H + G:].double()
+    # the row's key and value land at n; a bf16 cache gets the float32 kernel's values rounded to nearest even
+    assert ((K[n].double() - k_new).norm() / k_new.norm()).item() < (1e-6 if dtype == torch.float32 else 2 ** -8)
+    assert torch.equal(V[n], v_new.to(dtype))
+    if dtype == torch.bfloat16:
+        Kf, Vf = K0.float(), V0.float()
+        attention_cpu.gqa_row(qkv.float(), H, G, qn.float(), kn.float(), 1e-6, cos.float(), sin.float(), Kf, Vf, n)
+        assert torch.equal(K[n], Kf[n].to(dtype))
+    assert torch.equal(K[:n], K0[:n]) and torch.equal(K[n + 1:], K0[n + 1:]) and torch.equal(V[:n], V0[:n])
+    q = norm_rope(x[:H], qn)
+    Kd, Vd = K[:n + 1].double(), V[:n + 1].double()
+    ref = torch.stack([torch.softmax(Kd[:, h // (H // G)] @ q[h] / d ** 0.5, 0) @ Vd[:, h // (H // G)]
+                       for h in range(H)]).view(1, H * d)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+    torch.set_num_threads(1)
+    K[n], V[n] = K0[n], V0[n]
+    assert torch.equal(attention_cpu.gqa_row(qkv, H, G, qn, kn, 1e-6, cos, sin, K, V, n), out)   # heads: same bits

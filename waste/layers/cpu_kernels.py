@@ -11,12 +11,46 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic, overload
+
 from ..numba_ptr import at
 from ..quant.int4pack import BLOCK
 from ..quant.q4_int8 import quantize_row
-from ..quant.q4_numba import mv_q4_i8
+from ..quant.q4_numba import bf16, mv_q4_i8
 
 f32 = np.float32
+
+
+def widen(v):                          # a cache element as float32: itself, or bf16 bits widened
+    pass
+
+
+def narrow(v, dst):                    # a float32 as an element of dst: itself, or rounded to bf16 bits
+    pass
+
+
+@overload(widen, inline="always")
+def _widen(v):
+    if v == types.uint16:
+        return lambda v: bf16(v)
+    return lambda v: v
+
+
+@overload(narrow, inline="always")
+def _narrow(v, dst):
+    if dst.dtype == types.uint16:     # round to nearest even, as torch's .to(bfloat16) (no NaN in a cache row)
+        def rne(v, dst):
+            b = _bits(v)
+            return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return rne
+    return lambda v, dst: v
+
+
+@intrinsic
+def _bits(typingctx, v):               # the bits of a float32
+    return types.uint32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
 
 
 @numba.njit(inline="always")
@@ -175,17 +209,28 @@ def norm_rope(src, w, use_norm, eps, cos, sin, rot, dst, tmp):   # dst = rope(no
 
 
 @numba.njit(fastmath=True, cache=True, parallel=True)
-def gqa_row(qkv_p, H, G, d, rot, qn_p, kn_p, use_norm, eps, cos_p, sin_p, k_p, v_p, cap, n, out):
+def gqa_row(qkv_p, H, G, d, rot, qn_p, kn_p, use_norm, eps, cos_p, sin_p, k_p, v_p, cap, n, bf, out):
+    # bf: the cache holds bf16 (the compute dtype above 2 GiB), read widened and written rounded to nearest even
+    if bf:
+        attend(qkv_p, H, G, d, rot, qn_p, kn_p, use_norm, eps, cos_p, sin_p,
+               at(k_p, (cap, G, d), np.uint16), at(v_p, (cap, G, d), np.uint16), n, out)
+    else:
+        attend(qkv_p, H, G, d, rot, qn_p, kn_p, use_norm, eps, cos_p, sin_p,
+               at(k_p, (cap, G, d), f32), at(v_p, (cap, G, d), f32), n, out)
+
+
+@numba.njit(fastmath=True, inline="always")
+def attend(qkv_p, H, G, d, rot, qn_p, kn_p, use_norm, eps, cos_p, sin_p, K, V, n, out):
     qkv = at(qkv_p, (H + 2 * G, d), f32)
     qn, kn = at(qn_p, (d,), f32), at(kn_p, (d,), f32)
     cos, sin = at(cos_p, (d,), f32), at(sin_p, (d,), f32)
-    K, V = at(k_p, (cap, G, d), f32), at(v_p, (cap, G, d), f32)
-    tmp = np.empty(d, np.float32)
+    tmp, row = np.empty(d, np.float32), np.empty(d, np.float32)
     for g in range(G):
-        norm_rope(qkv[H + g], kn, use_norm, eps, cos, sin, rot, K[n, g], tmp)
-        src, dst = qkv[H + G + g], V[n, g]
+        norm_rope(qkv[H + g], kn, use_norm, eps, cos, sin, rot, row, tmp)
+        kd, src, vd = K[n, g], qkv[H + G + g], V[n, g]
         for i in range(d):
-            dst[i] = src[i]
+            kd[i] = narrow(row[i], kd)
+            vd[i] = narrow(src[i], vd)
     scale = np.float32(1.0) / np.sqrt(np.float32(d))
     rep = H // G
     for h in numba.prange(H):              # heads spread over the threads: each head is one thread's, same bits
@@ -197,7 +242,7 @@ def gqa_row(qkv_p, H, G, d, rot, qn_p, kn_p, use_norm, eps, cos_p, sin_p, k_p, v
             kt = K[t, g]
             s = np.float32(0.0)
             for i in range(d):
-                s += hq[i] * kt[i]
+                s += hq[i] * widen(kt[i])
             s *= scale
             scores[t] = s
             m = max(m, s)
@@ -213,7 +258,7 @@ def gqa_row(qkv_p, H, G, d, rot, qn_p, kn_p, use_norm, eps, cos_p, sin_p, k_p, v
             p = scores[t] / tot
             vt = V[t, g]
             for i in range(d):
-                o[i] += p * vt[i]
+                o[i] += p * widen(vt[i])
 
 
 @numba.njit(fastmath=True, cache=True)
