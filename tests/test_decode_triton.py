@@ -1,0 +1,100 @@
+"""The fused decode-row kernels (layers/decode_triton.py; moe_triton.weighted) against the torch ops they replace.
+Through triton's interpreter without a GPU (tests/conftest.py sets TRITON_INTERPRET=1), compiled on a GPU."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from test_moe_triton import DEV, slab_bank  # noqa: E402  (also patches the interpreter for numpy >= 2.4)
+
+from waste.layers import decode_triton, moe_triton  # noqa: E402
+from waste.layers.moe import MATRICES, routed_experts  # noqa: E402
+from waste.layers.attention import masked_attend  # noqa: E402
+from waste.layers.norm import rms_norm  # noqa: E402
+from waste.layers.rope import RopeTable, apply_rope_table  # noqa: E402
+
+
+def rel(a, b):
+    return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
+
+
+@pytest.mark.parametrize("dtype,norm", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
+def test_qk_rope_put_matches_norm_rope_and_cache_write(dtype, norm):
+    H, KV, d, cap, pos, eps = 4, 2, 32, 16, 5, 1e-6
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(1, (H + 2 * KV) * d, generator=g).to(dtype).to(DEV)
+    qn, kn = (torch.rand(d, generator=g) + 0.5).to(dtype).to(DEV), (torch.rand(d, generator=g) + 0.5).to(dtype).to(DEV)
+    rope = RopeTable(d, 1e6, cap, dtype, DEV)
+    kb = torch.full((cap, KV, d), 7.0, dtype=dtype, device=DEV)     # poisoned: the row must be written
+    vb = kb.clone()
+    q = decode_triton.qk_rope_put(qkv, H, KV, d, qn if norm else None, kn if norm else None, eps, rope.cos, rope.sin,
+                                  torch.tensor([pos], device=DEV), kb, vb)
+    rq, rk, rv = qkv.view(1, H + 2 * KV, d).split((H, KV, KV), dim=1)
+    if norm:
+        rq, rk = rms_norm(rq, qn, eps), rms_norm(rk, kn, eps)
+    cos, sin = rope.at(pos, 1)
+    rq, rk = apply_rope_table(rq, cos, sin, rope.R), apply_rope_table(rk, cos, sin, rope.R)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2      # bf16: the torch path rounds between its ops, this once
+    assert q.shape == (1, H, d) and q.dtype == dtype
+    assert rel(q, rq) < tol and rel(kb[pos], rk[0]) < tol
+    assert torch.equal(vb[pos], rv[0])
+    others = torch.ones(cap, dtype=torch.bool)
+    others[pos] = False
+    assert (kb[others] == 7.0).all() and (vb[others] == 7.0).all()      # no other row touched
+
+
+@pytest.mark.parametrize("pos", [0, 70])
+def test_attend_row_matches_masked_attention(pos):
+    """Grouped-query attention of one row over cache rows 0 .. pos (more than one 64-row block at 70), the rows past
+    it poisoned: they must not count."""
+    H, KV, d, cap = 4, 2, 32, 96
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, H, d, generator=g).to(DEV)
+    kb, vb = torch.randn(cap, KV, d, generator=g).to(DEV), torch.randn(cap, KV, d, generator=g).to(DEV)
+    kb[pos + 1:], vb[pos + 1:] = 1e4, float("nan")
+    o = decode_triton.attend_row(q, kb, vb, torch.tensor([pos], device=DEV))
+    ref = masked_attend(q.cpu(), kb[:pos + 1].cpu(), vb[:pos + 1].cpu(), torch.ones(1, pos + 1, dtype=torch.bool))
+    assert o.shape == (1, H, d) and rel(o, ref) < 1e-5
+
+
+def test_softmax_topk_tail_matches_torch():
+    g = torch.Generator().manual_seed(3)
+    for E, k, norm in ((128, 8, True), (60, 6, False), (16, 2, True)):
+        logits = torch.randn(3, E, generator=g).to(DEV)
+        w, idx = decode_triton.softmax_topk_tail(logits, k, norm)
+        pw, pidx = torch.topk(torch.softmax(logits.cpu(), -1), k, dim=-1)
+        if norm:
+            pw = pw / pw.sum(-1, keepdim=True)
+        assert torch.equal(idx.cpu(), pidx), (E, k)
+        assert torch.allclose(w.cpu(), pw, rtol=1e-5, atol=1e-7) and w.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt,h,inter,limit", [("bf16", 64, 32, None), ("q8", 64, 32, None), ("q4", 128, 96, None),
+                                               ("q4", 128, 64, 0.05)])
+@pytest.mark.parametrize("down_sum", [True, False])
+def test_weighted_matches_pairs_and_weighted_sum(fmt, h, inter, limit, down_sum, monkeypatch):
+    """The fused down launch (activation on read, the pairs' weighted sum in the program) against the two-launch
+    pairs and the separate weighted sum; a -1 pair contributes nothing."""
+    monkeypatch.setattr(moe_triton, "DOWN_SUM", down_sum)
+    bank, _ = slab_bank(fmt, h, inter, n_slots=5)
+    bank.limit = limit
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, h, generator=g).to(DEV)
+    slots = torch.tensor([[3, 0, -1, 4]], device=DEV)
+    wts = torch.rand(1, 4, generator=g).to(DEV)
+    y = moe_triton.weighted(x, slots, wts, bank)
+    ref = routed_experts(x, slots, wts, bank, moe_triton.pairs, complete=False)
+    assert y.shape == (1, h) and y.dtype == x.dtype
+    # float / q8: float32 throughout; q4: the torch path rounds the activation and each pair's output to bf16
+    assert rel(y, ref) < (1e-5 if fmt != "q4" else 1e-2), fmt
+    solo = routed_experts(x, torch.tensor([[3, 0, 4]], device=DEV), wts[:, [0, 1, 3]], bank, moe_triton.pairs)
+    assert rel(y, solo) < (1e-5 if fmt != "q4" else 1e-2)
+
+
+def test_weighted_declines_what_it_does_not_compute():
+    bank, _ = slab_bank("bf16", 64, 32, n_slots=3)
+    x = torch.randn(2, 64).to(DEV)
+    assert moe_triton.weighted(x, torch.tensor([[0, 1], [1, 2]], device=DEV), torch.ones(2, 2, device=DEV),
+                               bank) is None          # float prefill: moe.segments does better
+    bank.act = ("oai_glu", 1.7, 7.0)
+    assert moe_triton.weighted(x[:1], torch.tensor([[0, 1]], device=DEV), torch.ones(1, 2, device=DEV), bank) is None
+    assert set(MATRICES) == {"gate", "up", "down"}
