@@ -4,10 +4,9 @@
 
 MODEL: a container or a `random:` spec (random:qwen3-30b-a3b,experts=q4[,layers=N]: generated in place, no disk).
 Arms, interleaved over --rounds, each a fresh sequence (32-token prompt, 4 warm-up steps that capture its graph,
-then -n timed steps, greedy; median per round): fused = the defaults: layers/decode_triton.py's kernels,
-moe_triton.weighted (SwiGLU applied as the down launch reads, one program per pair, torch sums the weighted pairs)
-and q4's block kernel; anyrow = fused with q4's any-row kernel; sum = fused with the down launch summing a token's
-k pairs itself (one program per 8 rows: fewer programs); torch = none of them (the path before this session). Then, per arm, torch.profiler with CUDA activities over --profile steps,
+then -n timed steps, greedy; median per round): fused = the defaults: layers/decode_triton.py's kernels and
+moe_triton.weighted_pairs (SwiGLU applied as the down launch reads, the routing weight too; torch sums the pairs);
+block = fused with q4's block kernel (Q4_BLOCK); torch = none of them (the path before this session). Then, per arm, torch.profiler with CUDA activities over --profile steps,
 replayed (whole-step graph) and eager: kernels per step and per layer, kernel time per step, the top kernels.
 Beside each figure: the HBM bound (bytes a token reads / a 2 GiB copy's rate here) and the launch floors (one eager
 launch; one kernel inside a CUDA graph). Not a test; docs/LEARNED.md §10b has the figures.
@@ -61,9 +60,8 @@ def graph_launch_us(n: int = 200) -> float:
 
 def set_arm(m, arm: str) -> None:
     decode_triton.ENABLED = arm != "torch"
-    moe_triton.pairs.weighted = None if arm == "torch" else moe_triton.weighted
-    moe_triton.DOWN_SUM = arm == "sum"
-    moe_triton.Q4_BLOCK = arm not in ("torch", "anyrow")
+    moe_triton.pairs.weighted_pairs = None if arm == "torch" else moe_triton.weighted_pairs
+    moe_triton.Q4_BLOCK = arm == "block"
     if m.graphs is not None:           # captured with the other arm's kernels: capture again, in a new pool (torch
         m.graphs.steps.clear()         # asserts when a pool whose graphs were all freed is captured into again)
         m.graphs.mlps.clear()
@@ -124,7 +122,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--arms", default="fused,anyrow,torch")
+    ap.add_argument("--arms", default="fused,block,torch")
     ap.add_argument("--profile", type=int, default=4, help="steps under the profiler per arm (0: none)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()

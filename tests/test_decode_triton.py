@@ -1,4 +1,4 @@
-"""The fused decode-row kernels (layers/decode_triton.py; moe_triton.weighted) against the torch ops they replace.
+"""The fused decode-row kernels (layers/decode_triton.py; moe_triton.weighted_pairs) against the torch ops they replace.
 Through triton's interpreter without a GPU (tests/conftest.py sets TRITON_INTERPRET=1), compiled on a GPU."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ pytest.importorskip("triton")
 from test_moe_triton import DEV, slab_bank  # noqa: E402  (also patches the interpreter for numpy >= 2.4)
 
 from waste.layers import decode_triton, moe_triton  # noqa: E402
-from waste.layers.moe import MATRICES, routed_experts  # noqa: E402
+from waste.layers.moe import MATRICES, routed_experts, routed_groups  # noqa: E402
 from waste.layers.attention import masked_attend  # noqa: E402
 from waste.layers.norm import rms_norm  # noqa: E402
 from waste.layers.rope import RopeTable, apply_rope_table  # noqa: E402
@@ -70,31 +70,38 @@ def test_softmax_topk_tail_matches_torch():
 
 @pytest.mark.parametrize("fmt,h,inter,limit", [("bf16", 64, 32, None), ("q8", 64, 32, None), ("q4", 128, 96, None),
                                                ("q4", 128, 64, 0.05)])
-@pytest.mark.parametrize("down_sum", [True, False])
-def test_weighted_matches_pairs_and_weighted_sum(fmt, h, inter, limit, down_sum, monkeypatch):
-    """The fused down launch (activation on read, the pairs' weighted sum in the program) against the two-launch
-    pairs and the separate weighted sum; a -1 pair contributes nothing."""
-    monkeypatch.setattr(moe_triton, "DOWN_SUM", down_sum)
+@pytest.mark.parametrize("block", [False, True])
+def test_weighted_pairs_match_pairs_and_weighted_sum(fmt, h, inter, limit, block, monkeypatch):
+    """The down launch with the activation applied as it reads and the routing weight applied, against the
+    two-launch pairs and the separate weighted sum (q4 also through the block kernel); a -1 pair stays zero; and a
+    layer's pairs arriving in two groups (a small cache) sum to the same bits as in one."""
+    monkeypatch.setattr(moe_triton, "Q4_BLOCK", block)
     bank, _ = slab_bank(fmt, h, inter, n_slots=5)
     bank.limit = limit
     g = torch.Generator().manual_seed(4)
     x = torch.randn(1, h, generator=g).to(DEV)
     slots = torch.tensor([[3, 0, -1, 4]], device=DEV)
     wts = torch.rand(1, 4, generator=g).to(DEV)
-    y = moe_triton.weighted(x, slots, wts, bank)
+    assert moe_triton.serves(x, bank)
+    yp = moe_triton.weighted_pairs(x, slots, wts, bank)
+    assert yp.shape == (1, 4, h) and yp.dtype == torch.float32 and not yp[0, 2].any()
+    y = yp.sum(1)
     ref = routed_experts(x, slots, wts, bank, moe_triton.pairs, complete=False)
-    assert y.shape == (1, h) and y.dtype == x.dtype
     # float / q8: float32 throughout; q4: the torch path rounds the activation and each pair's output to bf16
-    assert rel(y, ref) < (1e-5 if fmt != "q4" else 1e-2), fmt
-    solo = routed_experts(x, torch.tensor([[3, 0, 4]], device=DEV), wts[:, [0, 1, 3]], bank, moe_triton.pairs)
-    assert rel(y, solo) < (1e-5 if fmt != "q4" else 1e-2)
+    tol = 1e-5 if fmt != "q4" else 1e-2
+    assert rel(y, ref) < tol, fmt
+    full = torch.tensor([[3, 0, 1, 4]], device=DEV)
+    one = routed_groups([x], [wts], [([full], True)], bank, moe_triton.pairs)[0]
+    two = routed_groups([x], [wts], [([torch.tensor([[3, -1, 1, -1]], device=DEV)], False),
+                                     ([torch.tensor([[-1, 0, -1, 4]], device=DEV)], False)], bank, moe_triton.pairs)[0]
+    assert torch.equal(one, two)
+    assert rel(one, routed_experts(x, full, wts, bank, moe_triton.pairs)) < tol
 
 
-def test_weighted_declines_what_it_does_not_compute():
+def test_weighted_pairs_declines_what_it_does_not_compute():
     bank, _ = slab_bank("bf16", 64, 32, n_slots=3)
     x = torch.randn(2, 64).to(DEV)
-    assert moe_triton.weighted(x, torch.tensor([[0, 1], [1, 2]], device=DEV), torch.ones(2, 2, device=DEV),
-                               bank) is None          # float prefill: moe.segments does better
+    assert moe_triton.serves(x[:1], bank) and not moe_triton.serves(x, bank)   # float prefill: moe.segments
     bank.act = ("oai_glu", 1.7, 7.0)
-    assert moe_triton.weighted(x[:1], torch.tensor([[0, 1]], device=DEV), torch.ones(1, 2, device=DEV), bank) is None
+    assert not moe_triton.serves(x[:1], bank)
     assert set(MATRICES) == {"gate", "up", "down"}

@@ -25,9 +25,9 @@ from .moe import Bank, register, segments
 # a CUDA graph (docs/LEARNED.md §10); q4's columns per step are its group
 TILES = {"float": (16, 256, 8), "q8": (16, 256, 8), "q4": (16, 64, 4), "mxfp4": (8, 256, 4)}
 # q4's block kernel (each byte read once, a 64-row block's columns loaded 32 bytes wide; K split over `split`
-# programs): the default where the rows come in whole blocks (Q4_BLOCK; docs/LEARNED.md §10b measured it against
-# the any-row kernel, which §10 had kept while the block kernel loaded its bytes one column at a time)
-Q4_BLOCK = True
+# programs) is opt-in (Q4_BLOCK): on the H200 a 48-layer decode step took 7.6 ms with it, 5.9 with the any-row
+# kernel (docs/LEARNED.md §10b; §10 had measured its first form, one byte column at a time, worse too)
+Q4_BLOCK = False
 
 
 @triton.jit
@@ -102,41 +102,37 @@ def _q4_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, sy, N, 
 
 
 @triton.jit
-def _down_sum(gu_ptr, DU, sgu, slot_ptr, wt_ptr, w_ptr, ws, wn, s_ptr, ss, szg, y_ptr, sy, N, K, NFULL, JN, limit,
+def _down_act(gu_ptr, DU, sgu, slot_ptr, wt_ptr, w_ptr, ws, wn, s_ptr, ss, szg, y_ptr, sy, N, K, NFULL, limit,
               BN: tl.constexpr, BK: tl.constexpr, KIND: tl.constexpr, LIMIT: tl.constexpr):
-    # output row r = sum over its JN pairs p of weight_p * down_{slot_p}(act(gate_p, up_p)): the activation applied
-    # as the down matrix reads it, the pairs summed in order in float32 (JN = k: a token's row; JN = 1: a pair's).
-    # KIND 0: float W, 1: q8 (codes, a scale per row), 2: q4 (BK = its scale group; wn = the sz row stride)
-    r = tl.program_id(0)
+    # pair p's weight_p * down_{slot_p}(act(gate_p, up_p)), BN rows of it: the activation applied as the down matrix
+    # reads it, float32 out. KIND 0: float W, 1: q8 (codes, a scale per row), 2: q4 (BK = its scale group; wn = the
+    # sz row stride)
+    p = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < N
-    out = tl.zeros([BN], tl.float32)
-    for j in range(JN):
-        p = r * JN + j
-        slot = tl.load(slot_ptr + p).to(tl.int64)
-        wt = tl.where(slot >= 0, tl.load(wt_ptr + p), 0.0)
-        slot = tl.maximum(slot, 0)
-        acc = tl.zeros([BN], tl.float32)
-        if KIND == 2:
-            base, kstride, shift = _q4_rows(n, N, K, NFULL)
-            qrow = w_ptr + slot * ws + base
-            srow = s_ptr + slot * ss + n.to(tl.int64) * wn
-            for k0 in range(0, K, BK):
-                k = k0 + tl.arange(0, BK)
-                xv = _act(gu_ptr + p * sgu, DU, k, k < K, limit, LIMIT)
-                acc += _q4_step(qrow, kstride, shift, srow + (k0 // BK) * szg, nm, k, xv)
-        else:
-            row = w_ptr + slot * ws + n[:, None].to(tl.int64) * wn
-            for k0 in range(0, K, BK):
-                k = k0 + tl.arange(0, BK)
-                km = k < K
-                xv = _act(gu_ptr + p * sgu, DU, k, km, limit, LIMIT)
-                w = tl.load(row + k[None, :], mask=nm[:, None] & km[None, :], other=0).to(tl.float32)
-                acc += tl.sum(w * xv[None, :], 1)
-            if KIND == 1:
-                acc = acc * tl.load(s_ptr + slot * ss + n, mask=nm, other=0.0)
-        out += wt * acc
-    tl.store(y_ptr + r * sy + n, out.to(y_ptr.dtype.element_ty), mask=nm)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    wt = tl.where(slot >= 0, tl.load(wt_ptr + p), 0.0)      # -1: not held here; its row stays zero
+    slot = tl.maximum(slot, 0)
+    acc = tl.zeros([BN], tl.float32)
+    if KIND == 2:
+        base, kstride, shift = _q4_rows(n, N, K, NFULL)
+        qrow = w_ptr + slot * ws + base
+        srow = s_ptr + slot * ss + n.to(tl.int64) * wn
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            xv = _act(gu_ptr + p * sgu, DU, k, k < K, limit, LIMIT)
+            acc += _q4_step(qrow, kstride, shift, srow + (k0 // BK) * szg, nm, k, xv)
+    else:
+        row = w_ptr + slot * ws + n[:, None].to(tl.int64) * wn
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < K
+            xv = _act(gu_ptr + p * sgu, DU, k, km, limit, LIMIT)
+            w = tl.load(row + k[None, :], mask=nm[:, None] & km[None, :], other=0).to(tl.float32)
+            acc += tl.sum(w * xv[None, :], 1)
+        if KIND == 1:
+            acc = acc * tl.load(s_ptr + slot * ss + n, mask=nm, other=0.0)
+    tl.store(y_ptr + p * sy + n, wt * acc, mask=nm)
 
 
 @triton.jit
@@ -329,21 +325,25 @@ def _biased(y: torch.Tensor, bank: Bank, m: str, flat: torch.Tensor) -> torch.Te
 
 pairs.any_slots = True      # exact per pair at any number of rows, and -1 pairs left zero
 
-# the weighted down launch: rows per program, columns per step (q4: its group), warps; DOWN_SUM False: one program
-# per pair and torch sums them (the launch's parallelism against one launch fewer: measured, LEARNED §10b)
+# the weighted down launch: rows per program, columns per step (q4: its group), warps
 DOWN_TILES = {"float": (8, 256, 4), "q8": (8, 256, 4), "q4": (8, 0, 4)}
-DOWN_SUM = False
 
 
-def weighted(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, bank: Bank, bn: int | None = None,
-             bk: int | None = None, warps: int | None = None, **tune) -> torch.Tensor | None:
-    """sum_k weights[t, k] * expert_{slots[t, k]}(x[t]) [T, h] in two launches: gate and up (matvec), then down with
-    the SwiGLU applied as it reads and the pairs' weighted sum taken in float32 in the same program. None where it
-    does not serve (records with biases, another activation, mxfp4, float prefill): the caller takes pairs."""
+def serves(x: torch.Tensor, bank: Bank) -> bool:
+    """Whether weighted_pairs computes these rows' pairs (not: records with biases, another activation than SwiGLU,
+    mxfp4, float prefill): decided by the rows and the bank alone, so every group of a layer takes the same path."""
+    kind = bank.fmt.kind or bank.fmt.name
+    return not bank.bias and bank.act is None and kind in DOWN_TILES and (x.shape[0] == 1 or kind != "float")
+
+
+def weighted_pairs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, bank: Bank, bn: int | None = None,
+                   bk: int | None = None, warps: int | None = None, **tune) -> torch.Tensor:
+    """weights[t, k] * expert_{slots[t, k]}(x[t]) per pair, float32 [T, k, h] (-1 pairs zero), in two launches:
+    gate and up (matvec), then down with the SwiGLU applied as it reads and the routing weight applied (the
+    activation and the weighted sum's operators gone). Exact per pair whatever else is in the call; the caller sums
+    over k once every group of the layer is in (moe.routed_groups), so the bits do not depend on the grouping."""
     T, k = slots.shape
     kind = bank.fmt.kind or bank.fmt.name
-    if bank.bias or bank.act is not None or kind not in DOWN_TILES or (T > 1 and kind == "float"):
-        return None
     kd = bank.fmt.kernel_dtype
     xk = (x if kd is None or x.dtype == kd else x.to(kd)).contiguous()
     flat = slots.reshape(-1).contiguous()
@@ -354,34 +354,32 @@ def weighted(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, bank: 
     N, K = bank.shapes["down"]
     dbn, dbk, dw = DOWN_TILES[kind]
     bn, warps = bn or dbn, warps or dw
-    rows, jn = (T, k) if DOWN_SUM else (P, 1)
-    y = torch.empty(rows, N, dtype=x.dtype if DOWN_SUM else torch.float32, device=x.device)
+    y = torch.empty(P, N, dtype=torch.float32, device=x.device)
     wt = weights.reshape(-1).float().contiguous()
     ps = bank.parts["down"]
     lim = bank.limit is not None
-    if kind == "q4" and Q4_BLOCK and not DOWN_SUM and N % 64 == 0 and K // ps["sz"].shape[1] >= 16:
+    limit = bank.limit if lim else 0.0
+    if kind == "q4" and Q4_BLOCK and N % 64 == 0 and K // ps["sz"].shape[1] >= 16:
         q, sz = ps["q"], ps["sz"]
         _q4_block_mv[(P, N // 64, 1)](gu, gu.stride(1), flat, q, q.stride(0), sz, sz.stride(0), sz.stride(1),
                                       sz.stride(2), y, y.stride(0), 0, N, K, 1, N // 64, 0, 0, 0, K, gu.stride(0), wt,
-                                      bank.limit if lim else 0.0, G=K // sz.shape[1], ACT=True, LIMIT=lim,
-                                      WEIGHTED=True, num_warps=warps)
-        return y.view(T, k, N).sum(1).to(x.dtype)
+                                      limit, G=K // sz.shape[1], ACT=True, LIMIT=lim, WEIGHTED=True, num_warps=warps)
+        return y.view(T, k, N)
     common = dict(BN=bn, KIND={"float": 0, "q8": 1, "q4": 2}[kind], LIMIT=lim, num_warps=warps)
-    grid = (rows, triton.cdiv(N, bn))
+    grid = (P, triton.cdiv(N, bn))
     if kind == "q4":
         q, sz = ps["q"], ps["sz"]
-        _down_sum[grid](gu, gu.stride(0), gu.stride(1), flat, wt, q, q.stride(0), sz.stride(2), sz, sz.stride(0),
-                        sz.stride(1), y, y.stride(0), N, K, N // 64 * 64, jn, bank.limit if lim else 0.0,
-                        BK=K // sz.shape[1], **common)
+        _down_act[grid](gu, gu.stride(0), gu.stride(1), flat, wt, q, q.stride(0), sz.stride(2), sz, sz.stride(0),
+                        sz.stride(1), y, y.stride(0), N, K, N // 64 * 64, limit, BK=K // sz.shape[1], **common)
     else:
         w, s = (ps[""], None) if kind == "float" else (ps["q"], ps["scale"])
-        _down_sum[grid](gu, gu.stride(0), gu.stride(1), flat, wt, w, w.stride(0), w.stride(1), w if s is None else s,
-                        0 if s is None else s.stride(0), 0, y, y.stride(0), N, K, 0, jn, bank.limit if lim else 0.0,
-                        BK=bk or dbk, **common)
-    return y if DOWN_SUM else y.view(T, k, N).sum(1).to(x.dtype)
+        _down_act[grid](gu, gu.stride(0), gu.stride(1), flat, wt, w, w.stride(0), w.stride(1), w if s is None else s,
+                        0 if s is None else s.stride(0), 0, y, y.stride(0), N, K, 0, limit, BK=bk or dbk, **common)
+    return y.view(T, k, N)
 
 
-pairs.weighted = weighted
+weighted_pairs.serves = serves
+pairs.weighted_pairs = weighted_pairs
 
 
 for _kind in ("float", "q8", "q4", "mxfp4"):
