@@ -18,7 +18,7 @@ ARMS=torch
 if [[ $STEPS == *1* ]]; then
   step "1: the fused kernels compiled, against the torch ops and each format's unpack"
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_decode_triton.py tests/test_moe_triton.py 2>&1 | tail -4 \
-    && ARMS=fused,anyrow,torch
+    && ARMS=fused,block,torch
 fi
 if [[ $STEPS == *2* ]]; then
   step "2: 8 layers, q4, arms $ARMS"
@@ -27,7 +27,7 @@ if [[ $STEPS == *2* ]]; then
 fi
 if [[ $STEPS == *3* ]]; then
   step "3: all 48 layers, q4, arms $ARMS"
-  timeout 140 python3 benchmarks/gpu_profile.py random:qwen3-30b-a3b,experts=q4 -n 48 --rounds 3 --profile 1 \
+  timeout 140 python3 benchmarks/gpu_profile.py random:qwen3-30b-a3b,experts=q4 -n 48 --rounds 3 --profile ${PROF48:-1} \
     --arms $ARMS --json "$OUT/profile48.json" 2>&1 | grep -v -i warn
 fi
 if [[ $STEPS == *5* ]]; then
