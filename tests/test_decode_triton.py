@@ -87,8 +87,7 @@ def test_weighted_pairs_match_pairs_and_weighted_sum(fmt, h, inter, limit, block
     assert yp.shape == (1, 4, h) and yp.dtype == torch.float32 and not yp[0, 2].any()
     y = yp.sum(1)
     ref = routed_experts(x, slots, wts, bank, moe_triton.pairs, complete=False)
-    # float / q8: float32 throughout; q4: rounded to bf16 where the torch path rounds (the activation, each pair's
-    # output); triton's interpreter rounds float32 to bf16 by truncation (2^-7, not 2^-8), hence the bf16 bound
+    # float / q8: float32 throughout; q4: the torch path rounds the activation and each pair's output to bf16
     tol = 1e-5 if fmt != "q4" else 1e-2
     assert rel(y, ref) < tol, fmt
     full = torch.tensor([[3, 0, 1, 4]], device=DEV)

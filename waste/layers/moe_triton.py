@@ -103,7 +103,7 @@ def _q4_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, sy, N, 
 
 @triton.jit
 def _down_act(gu_ptr, DU, sgu, slot_ptr, wt_ptr, w_ptr, ws, wn, s_ptr, ss, szg, y_ptr, sy, N, K, NFULL, limit,
-              BN: tl.constexpr, BK: tl.constexpr, KIND: tl.constexpr, LIMIT: tl.constexpr, ROUND: tl.constexpr):
+              BN: tl.constexpr, BK: tl.constexpr, KIND: tl.constexpr, LIMIT: tl.constexpr):
     # pair p's weight_p * down_{slot_p}(act(gate_p, up_p)), BN rows of it: the activation applied as the down matrix
     # reads it, float32 out. KIND 0: float W, 1: q8 (codes, a scale per row), 2: q4 (BK = its scale group; wn = the
     # sz row stride)
@@ -120,44 +120,36 @@ def _down_act(gu_ptr, DU, sgu, slot_ptr, wt_ptr, w_ptr, ws, wn, s_ptr, ss, szg, 
         srow = s_ptr + slot * ss + n.to(tl.int64) * wn
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
-            xv = _act(gu_ptr + p * sgu, DU, k, k < K, limit, LIMIT, ROUND)
+            xv = _act(gu_ptr + p * sgu, DU, k, k < K, limit, LIMIT)
             acc += _q4_step(qrow, kstride, shift, srow + (k0 // BK) * szg, nm, k, xv)
     else:
         row = w_ptr + slot * ws + n[:, None].to(tl.int64) * wn
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             km = k < K
-            xv = _act(gu_ptr + p * sgu, DU, k, km, limit, LIMIT, ROUND)
+            xv = _act(gu_ptr + p * sgu, DU, k, km, limit, LIMIT)
             w = tl.load(row + k[None, :], mask=nm[:, None] & km[None, :], other=0).to(tl.float32)
             acc += tl.sum(w * xv[None, :], 1)
         if KIND == 1:
             acc = acc * tl.load(s_ptr + slot * ss + n, mask=nm, other=0.0)
-    if ROUND:                                 # the pair's output in gate/up's dtype, then weighted in float32
-        acc = acc.to(gu_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + p * sy + n, wt * acc, mask=nm)
 
 
 @triton.jit
-def _act(gu_ptr, DU, k, km, limit, LIMIT: tl.constexpr, ROUND: tl.constexpr):
-    # SwiGLU of a pair's gate and up outputs (up DU elements after gate), clamped where the bank has a limit;
-    # ROUND: silu and the product rounded to gate/up's dtype, as the torch ops in that dtype round them (q4's bf16:
-    # the CPU's int4 path rounds there, and the tests hold the GPU's routing to the CPU's)
-    g = tl.load(gu_ptr + k, mask=km, other=0.0)
-    u = tl.load(gu_ptr + DU + k, mask=km, other=0.0)
+def _act(gu_ptr, DU, k, km, limit, LIMIT: tl.constexpr):
+    # SwiGLU of a pair's gate and up outputs (up DU elements after gate), clamped where the bank has a limit
+    g = tl.load(gu_ptr + k, mask=km, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + DU + k, mask=km, other=0.0).to(tl.float32)
     if LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    g, u = g.to(tl.float32), u.to(tl.float32)
-    if ROUND:
-        a = (g * tl.sigmoid(g)).to(gu_ptr.dtype.element_ty).to(tl.float32)
-        return (a * u).to(gu_ptr.dtype.element_ty).to(tl.float32)
     return g * tl.sigmoid(g) * u
 
 
 @triton.jit
 def _q4_block_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, sy, ssplit, N, K, KDIV, NBLK, DW,
                  DS, DY, KCH, DU, wt_ptr, limit, G: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
-                 WEIGHTED: tl.constexpr, ROUND: tl.constexpr):
+                 WEIGHTED: tl.constexpr):
     # N a multiple of 64 (every block full): a program owns one 64-row block, reads each byte once (rows j and
     # j + 32 from its two nibbles) over KCH columns, its split's share of K; a group's G columns of the block are
     # G * 32 contiguous bytes, loaded as a [G, 32] tile (32 bytes of a column along the fast axis: wide loads).
@@ -182,7 +174,7 @@ def _q4_block_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, s
     for k0 in range(k_lo, k_lo + KCH, G):
         k = k0 + tl.arange(0, G)
         if ACT:
-            xv = _act(xrow, DU, k, k < K, limit, LIMIT, ROUND)
+            xv = _act(xrow, DU, k, k < K, limit, LIMIT)
         else:
             xv = tl.load(xrow + k).to(tl.float32)
         b = tl.load(qblk + k[:, None].to(tl.int64) * 32 + j[None, :]).to(tl.int32)
@@ -194,9 +186,6 @@ def _q4_block_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, s
         xs = tl.sum(xv, 0)
         acc_lo += s_lo * tl.sum(((b & 15).to(tl.float32) - 8.0) * xv[:, None], 0) + z_lo * xs
         acc_hi += s_hi * tl.sum(((b >> 4).to(tl.float32) - 8.0) * xv[:, None], 0) + z_hi * xs
-    if ROUND:
-        acc_lo = acc_lo.to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc_hi = acc_hi.to(x_ptr.dtype.element_ty).to(tl.float32)
     if WEIGHTED:
         wt = tl.load(wt_ptr + p)
         acc_lo, acc_hi = acc_lo * wt, acc_hi * wt
@@ -285,7 +274,7 @@ def matvec(ms: tuple[str, ...], x: torch.Tensor, slots: torch.Tensor, bank: Bank
                 x, sx, slots, q, q.stride(0), sz, sz.stride(0), sz.stride(1), sz.stride(2), po, po.stride(0),
                 part.stride(0) if split > 1 else 0, N, K, kdiv, nb64, _delta(q, two["q"]), _delta(sz, two["sz"]),
                 (part.stride(1) if split > 1 else dy) if len(ms) == 2 else 0, K // split, 0, po, 0.0, G=g,
-                ACT=False, LIMIT=False, WEIGHTED=False, ROUND=False, num_warps=warps)
+                ACT=False, LIMIT=False, WEIGHTED=False, num_warps=warps)
             if split > 1:
                 torch.sum(part, 0, out=out) if out.dtype == torch.float32 else out.copy_(part.sum(0))
             return out
@@ -370,15 +359,13 @@ def weighted_pairs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
     ps = bank.parts["down"]
     lim = bank.limit is not None
     limit = bank.limit if lim else 0.0
-    rnd = xk.dtype != x.dtype      # a kernel dtype (q4's bf16): round where the torch path in that dtype does
     if kind == "q4" and Q4_BLOCK and N % 64 == 0 and K // ps["sz"].shape[1] >= 16:
         q, sz = ps["q"], ps["sz"]
         _q4_block_mv[(P, N // 64, 1)](gu, gu.stride(1), flat, q, q.stride(0), sz, sz.stride(0), sz.stride(1),
                                       sz.stride(2), y, y.stride(0), 0, N, K, 1, N // 64, 0, 0, 0, K, gu.stride(0), wt,
-                                      limit, G=K // sz.shape[1], ACT=True, LIMIT=lim, WEIGHTED=True, ROUND=rnd,
-                                      num_warps=warps)
+                                      limit, G=K // sz.shape[1], ACT=True, LIMIT=lim, WEIGHTED=True, num_warps=warps)
         return y.view(T, k, N)
-    common = dict(BN=bn, KIND={"float": 0, "q8": 1, "q4": 2}[kind], LIMIT=lim, ROUND=rnd, num_warps=warps)
+    common = dict(BN=bn, KIND={"float": 0, "q8": 1, "q4": 2}[kind], LIMIT=lim, num_warps=warps)
     grid = (P, triton.cdiv(N, bn))
     if kind == "q4":
         q, sz = ps["q"], ps["sz"]
