@@ -3,6 +3,7 @@
     python benchmarks/gpu_decode.py DIR [--layers 12] [-n 64] [--experts bf16,q4]
                                         [--variants gather,triton,graphs,whole] [--budget-frac F] [--peer]
                                         [--vram-frac F [--rounds 3] [--trace FILE]] [--replicate-from N]
+                                        [--offload-peer]
 
 Builds (once, in DIR) a seeded random release of the Qwen3-30B-A3B widths (hidden 2048, 128 experts top-8,
 moe_intermediate 768, 32 / 4 heads of 128) with --layers layers and converts it; then loads it on the GPU with every
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
+import os
 import shutil
 import statistics
 import subprocess
@@ -61,13 +64,35 @@ def launch_us() -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def decode(m, n: int):
+def disk_rate(paths: list[Path], limit: int = 4 << 30) -> float:
+    """O_DIRECT reads of these files in 8 MiB requests (the page cache bypassed, as the bank reader does): bytes/s."""
+    buf, n, t = mmap.mmap(-1, 8 << 20), 0, time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        try:
+            off = 0
+            while n < limit:
+                k = os.preadv(fd, [buf], off)
+                if k <= 0:
+                    break
+                off, n = off + k, n + k
+        finally:
+            os.close(fd)
+    return n / (time.perf_counter() - t)
+
+
+def decode(m, n: int, feed: torch.Generator | None = None, after_prompt=None):
+    """Greedy decode after a 32-token prompt (feed: seeded random ids instead of the argmax, so the routing does not
+    settle into a repeating text's few experts); after_prompt() runs between the prompt and the steps."""
     ids = list(range(3, 35))
     state = m.new_state()
     logits = m.forward(torch.tensor(ids), state, 0, last_only=True)[-1]
+    if after_prompt is not None:
+        after_prompt()
     pos, steps = len(ids), []
     for i in range(n + 8):
-        nxt = int(torch.argmax(logits))
+        nxt = int(torch.argmax(logits)) if feed is None else int(torch.randint(3, logits.shape[-1], (1,),
+                                                                               generator=feed))
         torch.cuda.synchronize()
         t = time.perf_counter()
         logits = m.forward(torch.tensor([nxt]), state, pos, last_only=True)[-1]
@@ -128,6 +153,9 @@ def main() -> None:
                     help="build N layers and repeat them to --layers (48 layers of q4 without a 58 GB bf16 source)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the VRAM tier's arms")
     ap.add_argument("--peer", action="store_true", help="also decode with transformers (bf16 on this GPU)")
+    ap.add_argument("--offload-peer", action="store_true",
+                    help="and with transformers + accelerate offload, its GPU memory capped at the peak the VRAM tier's "
+                         "arms (--vram-frac) allocated")
     a = ap.parse_args()
     src = a.dir / "src"
     rate, floor = hbm_rate(), launch_us()
@@ -167,22 +195,30 @@ def main() -> None:
             m.kernel, m.graphs = kernel, graphs
             bank_bytes = eng.experts.n_records * man["experts"]["record_bytes"]
         if a.budget_frac:
+            drop = subprocess.run("sync && echo 3 > /proc/sys/vm/drop_caches", shell=True).returncode == 0
+            disk = disk_rate(sorted(p for p in (out / "experts").iterdir() if p.is_file()))
+            print(f"disk: O_DIRECT reads of the bank files at {disk / 1e9:.2f} GB/s (page cache dropped: {drop}); "
+                  "decode fed seeded random ids", flush=True)
             with waste.load(out, device="cuda", dtype="bfloat16", budget=int(bank_bytes * a.budget_frac)) as eng:
-                st0 = eng.experts.stats.snapshot()
-                steps, _ = decode(eng.model, a.n)
+                snap = []
+                steps, _ = decode(eng.model, a.n, torch.Generator().manual_seed(0),
+                                  lambda: snap.append(eng.experts.stats.snapshot()))
                 st = eng.experts.stats
-                read = (st.bytes_read - st0.bytes_read) / (len(steps) + 8 + 1)
+                read = (st.bytes_read - snap[0].bytes_read) / (len(steps) + 8)
                 med = statistics.median(steps)
                 print(f"{a.layers} layers, {fmt} experts, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.1f} GB "
                       f"bank (pinned host slab: {eng.experts.pinned}): {1 / med:.1f} tok/s ({1e3 * med:.1f} ms per "
-                      f"token); {read / 1e6:.0f} MB read per token on average; at the disk's 2.2 GB/s that is a "
-                      f"bound of {2.2e9 / max(read, 1):.1f} tok/s, at 55 GB/s pinned {55e9 / max(read, 1):.0f}",
-                      flush=True)
+                      f"token); {read / 1e6:.0f} MB read per token on average; at the disk's {disk / 1e9:.2f} GB/s "
+                      f"measured here that is a bound of {disk / max(read, 1):.1f} tok/s ({read / med / disk * 100:.0f}%"
+                      f" of it), at 55 GB/s pinned {55e9 / max(read, 1):.0f}", flush=True)
         if a.vram_frac:
             tier_arms(out, fmt, bank_bytes, man["experts"]["record_bytes"], a)
+            vram_used = torch.cuda.max_memory_allocated()
     if a.peer and (src / "config.json").is_file() and \
             json.loads((src / "config.json").read_text())["num_hidden_layers"] == a.layers:
         peer_transformers(src, a.n)
+        if a.offload_peer and a.vram_frac:
+            peer_transformers(src, 4, gpu_bytes=vram_used)
     shutil.rmtree(src, ignore_errors=True)
 
 
@@ -191,6 +227,8 @@ def tier_arms(out: Path, fmt: str, bank_bytes: int, rec: int, a) -> None:
     sync = one blocking copy per run of slots on the compute stream (the tier's first form); stream = copies on
     their own stream, compute waiting on their event; prefetch = stream + the next layer's predicted records
     copied up while this layer computes. Link GB/s = bytes / the copy stream's CUDA-event time of each batch."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()       # the peer's offload gets what this engine's peak was
     with waste.load(out, device="cuda", dtype="bfloat16", vram=int(bank_bytes * a.vram_frac)) as eng:
         eng.experts.wait_fill()
         ex, tier = eng.experts, eng.experts.tier
@@ -229,11 +267,15 @@ def tier_arms(out: Path, fmt: str, bank_bytes: int, rec: int, a) -> None:
 
 
 @torch.inference_mode()
-def peer_transformers(src: Path, n: int) -> None:
-    """transformers' own Qwen3-MoE on the same release, bf16 on the GPU, greedy decode after the same prompt."""
+def peer_transformers(src: Path, n: int, gpu_bytes: int = 0) -> None:
+    """transformers' own Qwen3-MoE on the same release, bf16 on the GPU, greedy decode after the same prompt;
+    gpu_bytes: accelerate's offload instead, at most that much on the GPU (the rest of the weights in host memory,
+    moved up by its hooks as each module runs)."""
     import transformers
     t = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map="cuda")
+    place = dict(device_map="auto", max_memory={0: gpu_bytes, "cpu": 200 << 30}) if gpu_bytes else \
+        dict(device_map="cuda")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, **place)
     print(f"transformers {transformers.__version__} loaded in {time.perf_counter() - t:.0f} s", flush=True)
     ids = torch.arange(3, 35, device="cuda")[None]
     out = model(ids, use_cache=True)
@@ -248,7 +290,9 @@ def peer_transformers(src: Path, n: int) -> None:
         if i >= 8:
             steps.append(time.perf_counter() - t)
     med = statistics.median(steps)
-    print(f"peer: transformers bf16 on the GPU, eager: {1 / med:.1f} tok/s ({1e3 * med:.2f} ms per token)", flush=True)
+    how = f"accelerate offload, {gpu_bytes / 2**30:.1f} GiB on the GPU" if gpu_bytes else "on the GPU"
+    print(f"peer: transformers bf16 {how}, eager: {1 / med:.1f} tok/s ({1e3 * med:.2f} ms per token, "
+          f"{len(steps)} steps)", flush=True)
     del model
     torch.cuda.empty_cache()
 

@@ -100,6 +100,27 @@ def test_presets_are_the_real_shapes():
     assert [l["mlp"] for l in c["layers"]] == ["dense"] + ["moe"] * 7
     full = RandomModel("random:kimi-k3", "cpu").manifest["config"]["layers"]
     assert len(full) == 93 and sum(l["attn"] == "mla" for l in full) == 24 and full[92]["attn"] == "mla"
+    kl = RandomModel("random:kimi-linear-48b-a3b,experts=q4", "cpu").manifest
+    c = kl["config"]
+    assert (c["hidden_size"], c["moe"]["num_experts"], c["moe"]["top_k"], len(kl["experts"]["layers"])) == (2304, 256, 8, 26)
+    assert [l["attn"] for l in c["layers"]][:8] == ["kda"] * 3 + ["mla"] + ["kda"] * 3 + ["mla"]
+    assert c["layers"][26]["attn"] == "mla" and c["layers"][0]["mlp"] == "dense"
+
+
+def test_kimi_linear_generates_the_trunk_its_release_converts_to(releases):
+    """The oracle fixture's Kimi-Linear config: every trunk tensor the converted release holds, by name, with its
+    values' count (A_log's stored layout is [1, 1, H, 1]), and a model that runs: the same seed, the same logits."""
+    import math
+
+    from safetensors import safe_open
+
+    _, src, cont = releases["kimi_linear"]
+    spec = f"random:{src / 'config.json'}"
+    with safe_open(str(cont / "trunk.safetensors"), "pt") as f:
+        stored = {n: math.prod(f.get_slice(n).get_shape()) for n in f.keys()}
+    assert {n: math.prod(s) for n, s in RandomModel(spec, "cpu").spec} == stored
+    a = logits(spec)
+    assert torch.isfinite(a).all() and a.std() > 0.1 and torch.equal(a, logits(spec))
 
 
 @pytest.mark.parametrize("spec, why", [

@@ -2,8 +2,8 @@
 no release, no container, no disk (benchmarks of shapes that no disk here holds; expert parallel across GPUs).
 
     MODEL = random:NAME[,layers=N][,experts=FMT][,seed=S]
-    NAME  = a preset (qwen3-30b-a3b, kimi-k3) or the path of a Hugging Face config.json (any family whose adapter
-            lists its trunk shapes: qwen3_moe, kimi_k3, mixtral, glm4_moe, gpt_oss)
+    NAME  = a preset (qwen3-30b-a3b, kimi-k3, kimi-linear-48b-a3b) or the path of a Hugging Face config.json (any
+            family whose adapter lists its trunk shapes: qwen3_moe, kimi_k3, kimi_linear, mixtral, glm4_moe, gpt_oss)
 
 layers: the first N of the release's layers (its layer lists cut to them); experts: the expert record format (bf16
 default; q8, q4, mxfp4 ... as runtime/generated.py says); seed: 0 default. The family's adapter normalises the config
@@ -51,7 +51,25 @@ def _kimi_k3() -> dict:
     return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text}
 
 
-PRESETS = {"qwen3-30b-a3b": _qwen3_30b, "kimi-k3": _kimi_k3}
+def _kimi_linear_48b() -> dict:
+    """../shared/reference/architectures.md §1.1: 27 layers, MLA at 1-indexed 4, 8, ..., 24 and 27, the rest KDA."""
+    full = [4, 8, 12, 16, 20, 24, 27]
+    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 163840,
+            "hidden_size": 2304, "num_hidden_layers": 27, "intermediate_size": 9216, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "head_dim": 72, "q_lora_rank": None, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+            "rope_theta": 10000.0, "linear_attn_config": {"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
+                                                          "kda_layers": [i for i in range(1, 28) if i not in full],
+                                                          "full_attn_layers": full},
+            "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 1024,
+            "moe_layer_freq": 1, "first_k_dense_replace": 1, "moe_router_activation_func": "sigmoid",
+            "moe_renormalize": True, "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+            "routed_scaling_factor": 2.446, "rms_norm_eps": 1e-5, "model_max_length": 1048576,
+            "max_position_embeddings": 1048576, "bos_token_id": 163584, "eos_token_id": 163586,
+            "pad_token_id": 163839, "tie_word_embeddings": False}
+
+
+PRESETS = {"qwen3-30b-a3b": _qwen3_30b, "kimi-k3": _kimi_k3, "kimi-linear-48b-a3b": _kimi_linear_48b}
 
 
 def is_random(path) -> bool:
@@ -134,7 +152,7 @@ class RandomModel:
         shapes = adapter.expected_shapes()
         if not shapes:
             raise WasteError(f"{spec}: the {adapter.family} adapter does not list its trunk shapes, so its model "
-                             "cannot be generated; random models cover qwen3_moe, kimi_k3, mixtral, glm4_moe, gpt_oss")
+                             "cannot be generated; random models cover qwen3_moe, kimi_k3, kimi_linear, mixtral, glm4_moe, gpt_oss")
         cfg = adapter.config
         self.root, self.banks = PurePath(spec), {}
         self.spec = [(adapter.trunk_target(n), _shape(n, shapes[n], cfg)) for n in adapter.trunk_names()]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..quant.linear import linear
-from . import attention_cpu
+from . import attention_cpu, decode_triton
 from .norm import rms_norm
 from .rope import apply_rope, apply_rope_table, rope_cos_sin, rotate_half_matrix
 from .rows import Rows
@@ -135,8 +135,9 @@ def masked_attend(q, k, v, keep: torch.Tensor) -> torch.Tensor:
 def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, rope, static=None):
     """One GQA layer over one sequence's new rows x [T, hidden]; rope: (cos, sin, R) from layers/rope.py's
     RopeTable.at and its R, or the positions [T]. w may hold q, k and v stacked as `qkv_proj.weight` (fuse_rows).
-    static: (positions tensor [T], L) for a captured decode step: the rows are put at the positions and attention
-    reads the first L rows of the cache's buffer, those past the positions masked (the cache can_put T rows)."""
+    static: (positions tensor [T], L[, (cos, sin) tables]) for a captured decode step: the rows are put at the
+    positions and attention reads the first L rows of the cache's buffer, those past the positions masked (the cache
+    can_put T rows); with the rope tables a GPU row takes decode_triton's kernels (no mask, no L)."""
     T = x.shape[0]
     H, KV, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "qkv_proj.weight" in w:
@@ -150,6 +151,15 @@ def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, rope, 
         o = attention_cpu.gqa_row(qkv, H, KV, w.get("q_norm.weight") if cfg.qk_norm else None,
                                   w.get("k_norm.weight"), cfg.eps, rope[0], rope[1], kb, vb, n, cfg.rotary_dim)
         return linear(o, w["o_proj.weight"]), grown
+    if static is not None and len(static) > 2 and T == 1:
+        at, _, (cos_t, sin_t) = static
+        kb, vb = cache.buffers()
+        if decode_triton.qk_rope_usable(qkv, cos_t, kb, d, cfg.rotary_dim):
+            # a captured GPU decode row: q/k norm, rotary and the cache write in one launch, attention in another
+            q = decode_triton.qk_rope_put(qkv, H, KV, d, w.get("q_norm.weight") if cfg.qk_norm else None,
+                                          w.get("k_norm.weight"), cfg.eps, cos_t, sin_t, at, kb, vb)
+            o = decode_triton.attend_row(q, kb, vb, at)
+            return linear(o.reshape(T, H * d), w["o_proj.weight"]), cache.advance(1)
     q, k, v = qkv.view(T, H + 2 * KV, d).split((H, KV, KV), dim=1)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm.weight"], cfg.eps)
@@ -165,7 +175,7 @@ def gqa_forward(x: torch.Tensor, w: dict, cfg: GQAConfig, cache: KVCache, rope, 
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if static is not None:
-        at, L = static
+        at, L = static[:2]
         cache = cache.put(k, v, at)
         kb, vb = cache.buffers()
         keep = torch.arange(L, device=x.device)[None, :] <= at[:, None]

@@ -255,6 +255,16 @@ def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, b
     if pool is not None and len(xs) == 1 and xs[0].shape[0] == 1 and (
             getattr(kernel, "per_matrix", False) or _numba_row(xs[0], bank)):
         return [weighted_sum(spread(xs[0], groups, bank, kernel, pool), weights[0])]
+    wp = getattr(kernel, "weighted_pairs", None)
+    if wp is not None and all(wp.serves(x, bank) for x in xs):
+        # a kernel that weighs each pair itself (moe_triton: float32 pairs, no activation or weighting operators):
+        # the pairs of every group kept, summed over k once, as below
+        acc = None
+        for slots, _ in groups:
+            part = [wp(x, s, w, bank) for x, s, w in zip(xs, slots, weights)]
+            acc = part if acc is None else [torch.where((s >= 0).unsqueeze(-1), p, a)
+                                            for a, s, p in zip(acc, slots, part)]
+        return [a.sum(1).to(x.dtype) for a, x in zip(acc, xs)]
     pairs = None
     for slots, complete in groups:
         part = [expert_pairs(x, s, bank, kernel, complete) for x, s in zip(xs, slots)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import router_cpu
+from . import decode_triton, router_cpu
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -16,6 +16,8 @@ def softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_pr
     if router_cpu.usable(x, weight):         # one decode row on the CPU: one numba call instead of five operators
         return router_cpu.softmax_topk_row(x, weight, top_k, norm_topk_prob)
     logits = F.linear(_f32(x), _f32(weight))
+    if x.shape[0] == 1 and decode_triton.usable(logits):    # a GPU decode row: softmax, top-k, renorm in one launch
+        return decode_triton.softmax_topk_tail(logits, top_k, norm_topk_prob)
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     w, idx = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:

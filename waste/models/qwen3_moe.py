@@ -44,6 +44,8 @@ class Qwen3Moe(DecoderModel):
                 scratch["rope"] = (self.rope.cos.index_select(0, at), self.rope.sin.index_select(0, at), self.rope.R)
             else:
                 scratch["rope"] = (*self.rope.at(scratch["start"], x.shape[0]), self.rope.R)
+        if static is not None:              # the whole tables: a fused GPU row reads its position's own
+            static = (*static, (self.rope.cos, self.rope.sin))
         return gqa_forward(x, self.attn_w[i], self.attn_cfg, state, scratch["rope"], static)
 
     def graph_state(self, state, start: int):

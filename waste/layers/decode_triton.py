@@ -1,0 +1,148 @@
+"""Fused triton kernels for one decode row on a GPU: fewer launches per layer (a captured decode step is a chain of
+small kernels, each costing a few microseconds whatever it reads: docs/LEARNED.md §10b).
+
+- qk_rope_put: GQA's per-head q/k RMS norm, rotary (half-rotation, the position read from a tensor) and the key /
+  value row written into the cache buffers at that position: one launch instead of about a dozen.
+- attend_row: that row's attention over the cache rows up to the position (the position read from the tensor,
+  so a CUDA graph replays it at any length): one launch instead of the mask, the masked SDPA and its copies.
+- softmax_topk_tail: a router's softmax over the experts' logits, top-k and the renormalisation: one launch
+  instead of four to six.
+Both compute in float32 and round once on the store; callers use them only where `usable` says (CUDA, triton
+imported, shapes they handle) and keep the torch path everywhere else, so the CPU's bits never change.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:          # no triton: callers keep the torch path
+    triton = None
+
+ENABLED = True               # benchmarks turn the fused kernels off to measure the torch path in the same process
+
+
+def usable(x: torch.Tensor) -> bool:
+    return ENABLED and triton is not None and x.is_cuda
+
+
+if triton is not None:
+    @triton.jit
+    def _qk_rope_put(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kb_ptr, vb_ptr, H, KV, eps,
+                     D: tl.constexpr, NORM: tl.constexpr):
+        # program h < H: query head h; else key head h - H, and its value head copied beside it
+        h = tl.program_id(0)
+        pos = tl.load(pos_ptr).to(tl.int64)
+        i = tl.arange(0, D)
+        j = (i + D // 2) % D                          # rotate_half: out[i] = -x[i + D/2] (first half), x[i - D/2]
+        sign = tl.where(i < D // 2, -1.0, 1.0)
+        src = qkv_ptr + h * D
+        x = tl.load(src + i).to(tl.float32)
+        xr = tl.load(src + j).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+            if h < H:
+                w, wr = tl.load(qn_ptr + i).to(tl.float32), tl.load(qn_ptr + j).to(tl.float32)
+            else:
+                w, wr = tl.load(kn_ptr + i).to(tl.float32), tl.load(kn_ptr + j).to(tl.float32)
+            x, xr = x * r * w, xr * r * wr
+        c = tl.load(cos_ptr + pos * D + i).to(tl.float32)
+        s = tl.load(sin_ptr + pos * D + i).to(tl.float32)
+        y = x * c + sign * xr * s
+        if h < H:
+            tl.store(q_ptr + h * D + i, y.to(q_ptr.dtype.element_ty))
+        else:
+            g = h - H
+            row = (pos * KV + g) * D + i
+            tl.store(kb_ptr + row, y.to(kb_ptr.dtype.element_ty))
+            v = tl.load(qkv_ptr + (H + KV + g) * D + i)
+            tl.store(vb_ptr + row, v.to(vb_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _attend_row(q_ptr, kb_ptr, vb_ptr, pos_ptr, o_ptr, scale, KV, GRP, D: tl.constexpr, BLK: tl.constexpr):
+        # one query head per program over cache rows 0 .. pos (read from the tensor: the loop's length follows the
+        # replayed position), online softmax in float32
+        h = tl.program_id(0)
+        g = h // GRP
+        pos = tl.load(pos_ptr).to(tl.int64)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + h * D + d).to(tl.float32) * scale
+        m = tl.full([], float("-inf"), tl.float32)
+        l = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([D], tl.float32)
+        for s0 in range(0, pos + 1, BLK):
+            r = s0 + tl.arange(0, BLK)
+            rm = r <= pos
+            at = (r[:, None] * KV + g) * D + d[None, :]
+            k = tl.load(kb_ptr + at, mask=rm[:, None], other=0.0).to(tl.float32)
+            sc = tl.where(rm, tl.sum(k * q[None, :], 1), float("-inf"))
+            m2 = tl.maximum(m, tl.max(sc, 0))
+            alpha = tl.exp(m - m2)
+            pr = tl.exp(sc - m2)
+            v = tl.load(vb_ptr + at, mask=rm[:, None], other=0.0).to(tl.float32)
+            l = l * alpha + tl.sum(pr, 0)
+            acc = acc * alpha + tl.sum(pr[:, None] * v, 0)
+            m = m2
+        tl.store(o_ptr + h * D + d, (acc / l).to(o_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _softmax_topk(logit_ptr, E, w_ptr, idx_ptr, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                      NORM: tl.constexpr):
+        # one program per row: softmax over E logits, the K largest (descending; ties to the lower id), renormalised
+        t = tl.program_id(0)
+        e = tl.arange(0, BE)
+        x = tl.load(logit_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, 0))
+        p = p / tl.sum(p, 0)
+        p = tl.where(e < E, p, -1.0)
+        kr = tl.arange(0, KP)
+        ws = tl.zeros([KP], tl.float32)
+        ids = tl.zeros([KP], tl.int64)
+        for r in tl.static_range(K):
+            m = tl.max(p, 0)
+            i = tl.min(tl.where(p == m, e, BE), 0)
+            ws = tl.where(kr == r, m, ws)
+            ids = tl.where(kr == r, i.to(tl.int64), ids)
+            p = tl.where(e == i, -2.0, p)
+        if NORM:
+            ws = ws / tl.sum(ws, 0)
+        tl.store(w_ptr + t * K + kr, ws, mask=kr < K)
+        tl.store(idx_ptr + t * K + kr, ids, mask=kr < K)
+
+def qk_rope_usable(qkv: torch.Tensor, cos: torch.Tensor, kbuf: torch.Tensor, d: int, rotary_dim) -> bool:
+    return (usable(qkv) and qkv.shape[0] == 1 and qkv.is_contiguous() and kbuf.is_contiguous()
+            and cos.is_contiguous() and d & (d - 1) == 0 and rotary_dim in (None, d) and cos.shape[-1] == d)
+
+
+def qk_rope_put(qkv: torch.Tensor, H: int, KV: int, d: int, q_norm, k_norm, eps: float, cos: torch.Tensor,
+                sin: torch.Tensor, pos: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor) -> torch.Tensor:
+    """One decode row's qkv [1, (H + 2 KV) d] -> q [1, H, d] normed and rotated; the row's key (normed, rotated) and
+    value written into kbuf / vbuf [capacity, KV, d] at the position pos [1] (a tensor: a CUDA graph replays it).
+    cos / sin: the rope tables [positions, 1, d]; q_norm / k_norm None: no q/k norm."""
+    q = torch.empty(1, H, d, dtype=qkv.dtype, device=qkv.device)
+    norm = q_norm is not None
+    _qk_rope_put[(H + KV,)](qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos, sin, pos, q, kbuf, vbuf, H,
+                            KV, eps, D=d, NORM=norm, num_warps=1)
+    return q
+
+
+def attend_row(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """One decode row's attention: q [1, H, d] over the cache rows 0 .. pos of kbuf / vbuf [capacity, KV, d]
+    (grouped-query: head h reads KV head h // (H / KV)), scaled by 1/sqrt(d) -> [1, H, d]."""
+    _, H, d = q.shape
+    KV = kbuf.shape[1]
+    o = torch.empty_like(q)
+    _attend_row[(H,)](q, kbuf, vbuf, pos, o, d ** -0.5, KV, H // KV, D=d, BLK=64, num_warps=4)
+    return o
+
+
+def softmax_topk_tail(logits: torch.Tensor, top_k: int, norm: bool):
+    """Float32 logits [T, E] -> (weights [T, k] float32, ids [T, k] int64): softmax, top-k descending, renormalised
+    when norm (the torch router's order of operations)."""
+    T, E = logits.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    _softmax_topk[(T,)](logits.contiguous(), E, w, idx, K=top_k, KP=triton.next_power_of_2(top_k), BE=triton.next_power_of_2(E), NORM=norm,
+                        num_warps=1)
+    return w, idx
