@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,12 +42,17 @@ def run_one(item: str, ep, device: str = "cpu") -> dict | None:
         ep.placement = placement or "id"
     load = lambda: Engine.load(path, dtype="float32", budget=budget or None, preload=not budget,  # noqa: E731
                                expert_parallel=ep, device=device)
+    t0 = time.perf_counter()
     eng = load() if ep is None else ep.load(load)
+    rank = 0 if ep is None else ep.rank
+    # progress on stderr, so that a run cut at its time limit says where it was
+    print(f"ep_worker rank {rank}: {name} loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     try:
         if ep is not None and ep.rank != 0:
             eng.experts.follow()
             return None
         res = outputs(eng)
+        print(f"ep_worker rank 0: {name} computed in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         res["misses"], res["evictions"] = eng.experts.stats.misses, eng.experts.stats.evictions
         if ep is not None:
             eng.experts.stop()

@@ -22,12 +22,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRACE = ROOT / "benchmarks" / "traces" / "tiny-py-moe-heldout.json"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
-       "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+       "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run, where a command cut at its timeout fails with the end of what it printed (ep_worker says
+    which model it was at), not with the timeout alone."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, env=kw.pop("env", ENV), timeout=timeout, **kw)
+    except subprocess.TimeoutExpired as e:
+        tail = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
+        pytest.fail(f"{' '.join(cmd[:6])} ... still running after {timeout:.0f} s; its last output:\n{tail[-3000:]}")
 
 
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args], timeout)
 
 
 def waste_cli(*args: str) -> subprocess.CompletedProcess:
@@ -95,8 +104,7 @@ def one_and_two_processes(items: list[str], out: Path, device: str) -> None:
     own folder of out, both started fresh: then rank 0's tensors against the one process's, by name."""
     for d in ("one", "two"):
         (out / d).mkdir()
-    one = subprocess.run([sys.executable, str(HERE / "ep_worker.py"), str(out / "one"), "--device", device, *items],
-                         capture_output=True, text=True, env=ENV, timeout=600)
+    one = run([sys.executable, str(HERE / "ep_worker.py"), str(out / "one"), "--device", device, *items], 600)
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun(str(HERE / "ep_worker.py"), str(out / "two"), "--device", device, "--expert-parallel", "2",
                    *items, timeout=600)
@@ -220,3 +228,20 @@ def test_refusals_by_name(releases, tmp_path, capsys, monkeypatch):
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
         assert err.startswith("waste: error: ") and why in err, (argv, err)
+
+
+def test_a_stuck_process_is_a_clear_error_not_a_stall():
+    """A rank that never answers: after WASTE_EP_TIMEOUT seconds the waiting rank stops with one line naming its rank,
+    the MoE layer and the step (NCCL's or gloo's own timeout would be 30 minutes of silence, or a hang)."""
+    t0 = time.time()
+    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             str(HERE / "ep_stall.py")], 120, env={**ENV, "WASTE_EP_TIMEOUT": "3"})
+    assert r.returncode != 0 and "not reached" not in r.stdout
+    assert "waste: error: expert parallel: rank 0 waited 3 s in the sizes before MoE layer 7" in r.stderr, r.stderr
+    assert time.time() - t0 < 100
+
+
+def test_a_bad_timeout_is_refused_by_name():
+    env = {"WORLD_SIZE": "2", "RANK": "0", "WASTE_EP_TIMEOUT": "soon"}
+    with pytest.raises(WasteError, match="WASTE_EP_TIMEOUT='soon': give the seconds"):
+        parallel.ExpertParallel.start(env, 2)

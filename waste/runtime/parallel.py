@@ -9,12 +9,20 @@ takes the weighted sum over its k pairs itself, as one process does, and each ow
 kernel call one process makes for it (a sequence's rows apart from other sequences', a prefill row through the
 per-expert matmul even where it arrives alone), so the logits are bit-identical to one process's.
 
+Every collective inside a round runs under a watch (`Watch`): one that has not returned after `timeout` seconds (a rank
+stuck or far too slow) ends the process with one line naming the rank, the MoE layer and the step; torchrun then
+ends the others. A follower's wait for the driver's next round is not watched (a server idles there between
+requests), which is why the process group's own timeout is long.
+
 Placement: experts in contiguous blocks of ids (`id`), or from a routing trace (`trace:FILE`, runtime/trace.py):
 per MoE layer the experts by measured frequency, hottest first, each to the least-loaded rank that still has room,
 so every rank holds the same number of experts and about the same share of the routed pairs.
 """
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -25,6 +33,8 @@ from ..layers.moe import expert_pairs, kernel_for, segments, weighted_sum
 from . import trace as traces
 
 IDLE, STOP, STATS = -1, -2, -3      # header tags besides a layer index
+TIMEOUT = 300.0                     # seconds a watched collective may take (WASTE_EP_TIMEOUT overrides)
+GROUP_TIMEOUT = timedelta(days=365)  # the process group's own: a follower idles in a collective between requests
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -104,16 +114,19 @@ def moe_layers(container) -> dict[int, int]:
 class ExpertParallel:
     """This process's place in an expert-parallel group: `start` joins it (under torchrun)."""
 
-    def __init__(self, world: int, rank: int, local_world: int, placement: str, device: str):
+    def __init__(self, world: int, rank: int, local_world: int, placement: str, device: str,
+                 timeout: float = TIMEOUT):
         self.world, self.rank, self.local_world, self.placement = world, rank, local_world, placement
         self.device = device
         self.owner: dict[int, list[int]] | None = None
         self.experts: ParallelExperts | None = None     # once loaded
         self.agreed = False                              # the ranks have agreed that every one loaded
+        self.watch = Watch(rank, timeout)
 
     @classmethod
     def start(cls, env, n: int, placement: str = "id", device: str = "cpu") -> "ExpertParallel":
-        """env: the environment torchrun set (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT)."""
+        """env: the environment torchrun set (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT);
+        WASTE_EP_TIMEOUT there: the seconds a collective may take before the process stops (default 300)."""
         import torch.distributed as dist
 
         world = int(env.get("WORLD_SIZE", "0") or 0)
@@ -122,14 +135,30 @@ class ExpertParallel:
                              f"torchrun --nproc-per-node {n} -m waste VERB ... --expert-parallel {n}"
                              + (f" (this is {world} process(es))" if world else ""))
         check_placement(placement)
+        timeout = env.get("WASTE_EP_TIMEOUT", str(TIMEOUT))
+        try:
+            timeout = float(timeout)
+            assert timeout > 0
+        except (ValueError, AssertionError):
+            raise WasteError(f"WASTE_EP_TIMEOUT={timeout!r}: give the seconds a collective may take (more than 0)") \
+                from None
         rank, local = int(env["RANK"]), int(env.get("LOCAL_WORLD_SIZE", n))
         cuda = device.startswith("cuda") or device == "auto" and torch.cuda.is_available()
+        kw = {}
         if cuda:
-            device = f"cuda:{int(env.get('LOCAL_RANK', 0))}"
+            # a GPU each, chosen before NCCL or any CUDA tensor sees the process: two ranks on one GPU hang NCCL
+            lr, gpus = int(env.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+            if lr >= gpus:
+                raise WasteError(f"--expert-parallel on GPUs takes one GPU a process: local rank {lr} of "
+                                 f"{local} but this machine shows {gpus} GPU(s); use --nproc-per-node {gpus} or fewer")
+            device = f"cuda:{lr}"
             torch.cuda.set_device(device)
+            kw["device_id"] = torch.device(device)     # NCCL's communicator made here, not on the first exchange
+        ep = cls(n, rank, local, placement, device, timeout)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
-        return cls(n, rank, local, placement, device)
+            with ep.watch("joining the process group (the other processes did not arrive)"):
+                dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT, **kw)
+        return ep
 
     def owned(self, container) -> dict[int, list[int]]:
         """layer -> this rank's experts (ascending); fixes the placement for the container."""
@@ -161,8 +190,9 @@ class ExpertParallel:
         import torch.distributed as dist
 
         t = torch.tensor([1 if ok else 0], device=self._comm())
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item())
+        with self.watch("waiting for the other processes to load the model"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            return bool(t.item())
 
     def _comm(self) -> torch.device:
         return torch.device(self.device if str(self.device).startswith("cuda") else "cpu")
@@ -181,6 +211,40 @@ class ExpertParallel:
                 self.experts.stop()
         finally:
             dist.destroy_process_group()
+
+
+class Watch:
+    """`with watch("what"):` a step that must not take more than `seconds`; past that, this process writes one line
+    naming its rank and the step and exits (a thread checks: a blocked collective cannot be interrupted)."""
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+        self.step: tuple[float, str] | None = None          # (deadline, what) while a step is watched
+        self.thread = None
+
+    def __call__(self, what: str) -> "Watch":
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, daemon=True, name="waste-ep-watch")
+            self.thread.start()
+        self.step = (time.monotonic() + self.seconds, what)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.step = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.seconds / 4))
+            step = self.step
+            if step is not None and time.monotonic() > step[0]:
+                sys.stderr.write(f"waste: error: expert parallel: rank {self.rank} waited {self.seconds:.0f} s in "
+                                 f"{step[1]}: another process is stuck or slower than that (WASTE_EP_TIMEOUT="
+                                 "SECONDS raises the limit); stopping\n")
+                sys.stderr.flush()
+                os._exit(1)
 
 
 class ParallelExperts:
@@ -221,7 +285,7 @@ class ParallelExperts:
 
     def rank_stats(self) -> list[dict]:
         """Every rank's cache counters and exchange figures (rank 0 asks; the others answer from `follow`)."""
-        self._sizes(torch.tensor([[STATS, 0]] * self.group.world, dtype=torch.long))
+        self._sizes(torch.tensor([[STATS, 0]] * self.group.world, dtype=torch.long), "the counters' exchange")
         return self._gather()
 
     def _gather(self) -> list[dict]:
@@ -232,41 +296,54 @@ class ParallelExperts:
         mine = {"rank": self.group.rank, **dataclasses.asdict(self.local.stats.snapshot()), **self.report()}
         mine.pop("per_layer", None)
         out = [None] * self.group.world
-        dist.all_gather_object(out, mine)
+        with self.group.watch("the counters' exchange"):
+            dist.all_gather_object(out, mine)
         return out
 
     def stop(self) -> None:
         """The driver is done: the other ranks leave `follow`."""
         if not self.stopped and self.group.world > 1:
             self.stopped = True
-            self._sizes(torch.tensor([[STOP, 0]] * self.group.world, dtype=torch.long))
+            self._sizes(torch.tensor([[STOP, 0]] * self.group.world, dtype=torch.long), "the stop message")
 
     # -- one round ---------------------------------------------------------------------------------------
-    def _sizes(self, header: torch.Tensor) -> torch.Tensor:
+    def _sizes(self, header: torch.Tensor, what: str | None) -> torch.Tensor:
+        """Every rank's [tag, bytes] for each rank; as CUDA tensors under NCCL (its collectives take no host
+        tensors), so the .cpu() that follows is the wait for the other ranks."""
         import torch.distributed as dist
 
         dev = self.group._comm()
         out = torch.empty_like(header, device=dev)
-        self._collective(dist.all_to_all_single, out, header.to(dev))
-        return out.cpu()
+        return self._collective(what, dist.all_to_all_single, out, header.to(dev))
 
-    def _bytes(self, chunks: list[torch.Tensor], sizes_in: list[int]) -> torch.Tensor:
+    def _bytes(self, chunks: list[torch.Tensor], sizes_in: list[int], what: str) -> torch.Tensor:
+        """One chunk to each rank, sizes_in bytes from each (zero-size ones included: every rank joins every
+        exchange)."""
         import torch.distributed as dist
 
         dev = self.group._comm()
         send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(sum(sizes_in), dtype=torch.uint8, device=dev)
-        self._collective(dist.all_to_all_single, out, send.to(dev), sizes_in, [c.numel() for c in chunks])
+        got = self._collective(what, dist.all_to_all_single, out, send.to(dev), sizes_in, [c.numel() for c in chunks])
         self.bytes_sent += send.numel()
-        return out.cpu()
+        return got
 
-    def _collective(self, fn, *args) -> None:
+    def _collective(self, what: str | None, fn, out: torch.Tensor, *args) -> torch.Tensor:
+        """fn(out, *args), then out on the host; watched unless what is None (a follower waiting for a round)."""
         t0 = time.perf_counter()
+        watch = self.group.watch
         try:
-            fn(*args)
+            if what is not None:
+                watch(what)
+            fn(out, *args)
+            out = out.cpu()
         except RuntimeError as exc:      # a rank that stopped (its own error is above) closes its connections
-            raise WasteError(f"expert parallel: another process stopped ({str(exc).splitlines()[0]})") from None
+            raise WasteError(f"expert parallel: rank {self.group.rank}, {what or 'waiting for a round'}: another "
+                             f"process stopped ({str(exc).splitlines()[0]})") from None
+        finally:
+            watch.step = None
         self.comm_seconds += time.perf_counter() - t0
+        return out
 
     def _round(self, layer, xs, ids):
         """One MoE layer across the ranks: send each rank the rows routed to its experts, compute the pairs this
@@ -289,7 +366,7 @@ class ParallelExperts:
             out_chunks.append(_pack(meta, idp, rows))
         tag = IDLE if layer is None else layer
         header = torch.tensor([[tag, c.numel()] for c in out_chunks], dtype=torch.long)
-        got = self._sizes(header)
+        got = self._sizes(header, None if layer is None else f"the sizes before MoE layer {layer}")
         tags = got[:, 0].tolist()
         if STOP in tags:
             return None
@@ -299,7 +376,7 @@ class ParallelExperts:
         layer_here = max(tags)
         if layer_here < 0:
             raise RuntimeError("expert parallel: a round with no layer (no rank has rows)")
-        buf = self._bytes(out_chunks, got[:, 1].tolist())
+        buf = self._bytes(out_chunks, got[:, 1].tolist(), f"MoE layer {layer_here}'s rows out")
         # compute what the others sent, every source's sequences apart
         received, off = [], 0
         for s in range(world):
@@ -311,7 +388,8 @@ class ParallelExperts:
         h = self.bank.shapes["down"][0] if self.bank is not None else 0
         dtype = xs[0].dtype if xs else torch.float32
         esz = torch.empty(0, dtype=dtype).element_size()
-        ret = self._bytes([b.reshape(-1).view(torch.uint8) for b in back], [n * h * esz for n in back_sizes])
+        ret = self._bytes([b.reshape(-1).view(torch.uint8) for b in back], [n * h * esz for n in back_sizes],
+                          f"MoE layer {layer_here}'s pairs back")
         self.calls += 1
         self.exchange_seconds += time.perf_counter() - t0
         if layer is None:
