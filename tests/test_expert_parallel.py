@@ -245,3 +245,59 @@ def test_a_bad_timeout_is_refused_by_name():
     env = {"WORLD_SIZE": "2", "RANK": "0", "WASTE_EP_TIMEOUT": "soon"}
     with pytest.raises(WasteError, match="WASTE_EP_TIMEOUT='soon': give the seconds"):
         parallel.ExpertParallel.start(env, 2)
+
+
+def test_uneven_shares_are_bit_identical(releases, tmp_path):
+    """Rank 0 with a quarter of every layer's experts, rank 1 with the rest (what a rank 0 short of room beside the
+    trunk gets): the same bits as one process, and rank 0 really held fewer."""
+    m = str(releases["qwen3_moe"][2])
+    (tmp_path / "ep").mkdir()
+    r = torchrun(str(HERE / "ep_worker.py"), str(tmp_path / "ep"), "--expert-parallel", "2", "--weights", "1,3",
+                 f"q={m}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = ep_worker.run_one(f"q={m}", None)
+    finally:
+        torch.set_num_threads(threads)
+    got = torch.load(tmp_path / "ep" / "q.pt")
+    for k in ("prefill", "greedy", "batch_a", "batch_b", "next_a", "next_b"):
+        assert torch.equal(got[k], want[k]), k
+    assert got["held"] * 4 == want["held"]                    # 8 experts a layer: 2 on rank 0, 6 on rank 1
+
+
+def test_shares_follow_each_ranks_room():
+    assert parallel.counts(8, 2) == [4, 4] and parallel.counts(9, 4) == [3, 2, 2, 2]
+    assert parallel.counts(8, 2, [0.25, 0.75]) == [2, 6]
+    assert parallel.counts(896, 8, [1, 4, 4, 4, 4, 4, 4, 4]) == [31] + [124] * 4 + [123] * 3   # remainders: lowest first
+    assert parallel.weights_for([50, 50], 100) is None                  # each holds an even share: even
+    assert parallel.weights_for([10, 90], 100) == [0.1, 0.9]
+    owner = parallel.place({1: 8, 2: 8}, 2, "id", None, [0.25, 0.75])
+    assert owner == {1: [0, 0, 1, 1, 1, 1, 1, 1], 2: [0, 0, 1, 1, 1, 1, 1, 1]}
+    owner = parallel.place({i: 16 for i in range(8)}, 2, f"trace:{TRACE}", 2, [0.25, 0.75])
+    assert all(o.count(0) == 4 for o in owner.values())
+
+
+def test_plan_gives_rank_0_fewer_experts_where_the_trunk_leaves_it_less_room(tmp_path):
+    """waste plan --expert-parallel on a random model sized for GPUs: ranks other than 0 hold no trunk, so where rank
+    0 has no room for an even share beside it, it gets fewer experts, and the plan says whether every rank fits."""
+    cfg = tmp_path / "q.json"
+    from waste.convert.synthetic import qwen3_moe_config
+
+    # a 1.1 GB trunk (a 262144-row vocabulary), 0.8 GB of experts: on 4.5 GB GPUs (2 GiB of each reserved) rank 0
+    # has room for about 0.66 GB of experts beside the trunk, less than half the bank; on 8 GB GPUs for all of it
+    cfg.write_text(json.dumps(qwen3_moe_config(vocab_size=262144, hidden_size=1024, moe_intermediate_size=1024,
+                                               num_hidden_layers=4, num_experts=64)))
+    plans = {}
+    for gpu in ("4500M", "8G"):
+        p = waste_cli("plan", f"random:{cfg}", "--expert-parallel", "2", "--device", "cuda", "--vram", gpu, "--json")
+        assert p.returncode == 0, p.stderr
+        plans[gpu] = json.loads(p.stdout)
+    small, big = plans["4500M"], plans["8G"]
+    assert [r["trunk"] for r in small["ranks"]] == [True, False]
+    assert small["ranks"][0]["plan"]["trunk_bytes"] > 0 == small["ranks"][1]["plan"]["trunk_bytes"]
+    e0, e1 = (sum(r["experts_per_layer"]) for r in small["ranks"])
+    assert e0 < e1 and e0 + e1 == 4 * 64 and small["weights"] is not None
+    assert [sum(r["experts_per_layer"]) for r in big["ranks"]] == [128, 128] and big["weights"] is None
+    assert big["fits"] and big["gpu_bytes"] == 8 << 30

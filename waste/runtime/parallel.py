@@ -47,18 +47,47 @@ def check_placement(spec: str) -> None:
         traces.load(spec[len("trace:"):])
 
 
-def place(layers: dict[int, int], world: int, spec: str = "id", top_k: int | None = None) -> dict[int, list[int]]:
-    """layer -> the rank of each of its experts. layers: MoE layer -> number of experts, in layer order."""
+def place(layers: dict[int, int], world: int, spec: str = "id", top_k: int | None = None,
+          weights: list[float] | None = None) -> dict[int, list[int]]:
+    """layer -> the rank of each of its experts. layers: MoE layer -> number of experts, in layer order. weights:
+    each rank's share of every layer's experts (None: even; `weights_for` makes them from what each rank holds)."""
     if world < 1:
         raise WasteError(f"--expert-parallel {world}: give 1 or more processes")
     small = min(layers.values(), default=world)
     if small < world:
         raise WasteError(f"--expert-parallel {world}: the model has only {small} experts per layer; use at most "
                          f"{small} processes")
-    if spec == "id":
+    if spec == "id" and weights is None:
         return {l: [e * world // n for e in range(n)] for l, n in layers.items()}
+    if spec == "id":
+        return {l: [r for r, c in enumerate(counts(n, world, weights)) for _ in range(c)] for l, n in layers.items()}
     count, total = frequencies(layers, traces.load(spec[len("trace:"):]), top_k), [0] * world
-    return {l: balance(count[l], world, total) for l in layers}
+    return {l: balance(count[l], world, total, counts(len(count[l]), world, weights)) for l in layers}
+
+
+def counts(n: int, world: int, weights: list[float] | None = None) -> list[int]:
+    """How many of a layer's n experts each rank holds: n // world or one more (the first ranks), or in proportion
+    to weights (largest remainders first, ties to the lower rank)."""
+    if weights is None:
+        return [n // world + (r < n % world) for r in range(world)]
+    total = sum(weights)
+    exact = [n * w / total for w in weights]
+    out = [int(x) for x in exact]
+    for r in sorted(range(world), key=lambda r: (out[r] - exact[r], r))[:n - sum(out)]:
+        out[r] += 1
+    return out
+
+
+def weights_for(capacity: list[int], bank: int, margin: int = 0) -> list[float] | None:
+    """Each rank's share of the experts from the bytes of expert records it can hold (its memory plan's room beside
+    its floor: rank 0 holds the trunk, the others do not): None (even shares, by id or trace) where every rank holds
+    an even share, else in proportion to what each holds less `margin` (a record per MoE layer: what rounding a
+    layer's share up can add)."""
+    world = len(capacity)
+    room = [max(c - margin, 0) for c in capacity]
+    if min(capacity) * world >= bank + world * margin or sum(room) <= 0:
+        return None
+    return [c / sum(room) for c in room]
 
 
 def frequencies(layers: dict[int, int], trace: dict, top_k: int | None) -> dict[int, list[int]]:
@@ -76,12 +105,12 @@ def frequencies(layers: dict[int, int], trace: dict, top_k: int | None) -> dict[
     return out
 
 
-def balance(count: list[int], world: int, total: list[int]) -> list[int]:
+def balance(count: list[int], world: int, total: list[int], room: list[int] | None = None) -> list[int]:
     """One layer's experts' ranks: hottest first (ties by id) to the least-loaded rank with room, ties to the rank
     with the least load over the layers placed so far (`total`, updated), then the lowest; every rank gets
-    n // world experts or one more."""
+    n // world experts or one more (or room[r] of them)."""
     n = len(count)
-    room = [n // world + (r < n % world) for r in range(world)]
+    room = list(room) if room is not None else counts(n, world)
     load, owner = [0] * world, [0] * n
     for e in sorted(range(n), key=lambda e: (-count[e], e)):
         r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], total[r], r))
@@ -121,6 +150,7 @@ class ExpertParallel:
         self.owner: dict[int, list[int]] | None = None
         self.experts: ParallelExperts | None = None     # once loaded
         self.agreed = False                              # the ranks have agreed that every one loaded
+        self.weights: list[float] | None = None          # each rank's share of the experts, fixed (else from rooms)
         self.watch = Watch(rank, timeout)
 
     @classmethod
@@ -160,10 +190,26 @@ class ExpertParallel:
                 dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT, **kw)
         return ep
 
-    def owned(self, container) -> dict[int, list[int]]:
-        """layer -> this rank's experts (ascending); fixes the placement for the container."""
+    @property
+    def experts_only(self) -> bool:
+        """This rank holds experts and no trunk: it only ever answers rank 0's MoE layers."""
+        return self.rank != 0
+
+    def owned(self, container, capacity: int | None = None) -> dict[int, list[int]]:
+        """layer -> this rank's experts (ascending); fixes the placement for the container. capacity: the bytes of
+        expert records this rank can hold; given, the ranks exchange theirs and a rank that cannot hold an even
+        share (rank 0, beside the trunk) gets fewer experts (`weights_for`)."""
         moe = container.config.get("moe") or {}
-        self.owner = place(moe_layers(container), self.world, self.placement, moe.get("top_k"))
+        layers, weights = moe_layers(container), self.weights
+        if weights is None and capacity is not None and self.world > 1:
+            import torch.distributed as dist
+
+            caps = [None] * self.world
+            with self.watch("the exchange of each process's room for experts"):
+                dist.all_gather_object(caps, int(capacity))
+            rec = container.manifest["experts"]["record_bytes"]
+            weights = weights_for(caps, sum(layers.values()) * rec, len(layers) * rec)
+        self.owner = place(layers, self.world, self.placement, moe.get("top_k"), weights)
         return {l: [e for e, r in enumerate(o) if r == self.rank] for l, o in self.owner.items()}
 
     def store(self, local) -> "ParallelExperts":
