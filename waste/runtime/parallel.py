@@ -398,15 +398,16 @@ class ParallelExperts:
         world, t0 = self.group.world, time.perf_counter()
         owner = None if layer is None else self.owner[layer]
         out_chunks, masks = [], []
+        host = [x if x.device.type == "cpu" else x.cpu() for x in xs]      # one copy down per sequence
         for d in range(world):
             meta = [len(xs), _DTYPES.index(xs[0].dtype) if xs else 0, xs[0].shape[-1] if xs else 0]
             idp, rows, m = [], [], []
-            for x, i in zip(xs, ids):
+            for x, i in zip(host, ids):
                 mine = owner[i] == d                      # [T, k]: the pairs rank d owns
                 sel = mine.any(1)
                 meta += [i.shape[0], int(sel.sum()), i.shape[1]]
                 idp.append(i[sel].reshape(-1))
-                rows.append(x[sel].cpu() if x.device.type != "cpu" else x[sel])
+                rows.append(x[sel])
                 m.append(mine)
             masks.append(m)
             out_chunks.append(_pack(meta, idp, rows))
@@ -440,7 +441,7 @@ class ParallelExperts:
         self.exchange_seconds += time.perf_counter() - t0
         if layer is None:
             return []
-        pairs = [x.new_zeros(i.shape[0], i.shape[1], h) for x, i in zip(xs, ids)]
+        pairs = [x.new_zeros(i.shape[0], i.shape[1], h) for x, i in zip(host, ids)]     # on the host, then one copy up
         off = 0
         for d in range(world):
             n = back_sizes[d] * h * esz
@@ -450,9 +451,9 @@ class ParallelExperts:
             for j, mine in enumerate(masks[d]):
                 c = int(mine.sum())
                 if c:
-                    pairs[j][mine] = y[at:at + c].to(pairs[j].device)
+                    pairs[j][mine] = y[at:at + c]
                 at += c
-        return pairs
+        return [p.to(x.device) for p, x in zip(pairs, xs)]
 
     def _compute(self, layer: int, received: list) -> list[torch.Tensor]:
         """received: per source rank, [(T, rows [n, h], ids [n, k])] -> per source rank, the outputs of the pairs
