@@ -14,7 +14,7 @@ T="torchrun --standalone --nproc-per-node 2"
 B=benchmarks/expert_parallel_gpu.py
 Q=random:qwen3-30b-a3b,experts=q4
 K=random:kimi-k3,experts=mxfp4
-G=$(python3 -c "import torch; print(torch.cuda.device_count())")
+G=${GPUS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}     # GPUS=N: a dry run of the steps
 # step LIMIT NEED WHAT CMD...: CMD under `timeout LIMIT` (less if the call's time runs short), its output kept in
 # OUT/log; NEED 2: only where 2 GPUs are. A cut step says so; the progress lines above it say where it was.
 step() {

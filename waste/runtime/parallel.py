@@ -180,7 +180,8 @@ class ExpertParallel:
             lr, gpus = int(env.get("LOCAL_RANK", 0)), torch.cuda.device_count()
             if lr >= gpus:
                 raise WasteError(f"--expert-parallel on GPUs takes one GPU a process: local rank {lr} of "
-                                 f"{local} but this machine shows {gpus} GPU(s); use --nproc-per-node {gpus} or fewer")
+                                 f"{local} but this machine shows {gpus} GPU(s); " +
+                                 (f"use --nproc-per-node {gpus} or fewer" if gpus else "use --device cpu"))
             device = f"cuda:{lr}"
             torch.cuda.set_device(device)
             kw["device_id"] = torch.device(device)     # NCCL's communicator made here, not on the first exchange
