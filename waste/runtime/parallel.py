@@ -236,10 +236,11 @@ class ExpertParallel:
         """Every rank's ok, and-ed (after loading: a rank that failed must not leave the others waiting)."""
         import torch.distributed as dist
 
+        # not watched: the other ranks wait here while rank 0 loads the trunk (minutes for a large one), and a rank
+        # that fails to load still comes here with its False
         t = torch.tensor([1 if ok else 0], device=self._comm())
-        with self.watch("waiting for the other processes to load the model"):
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            return bool(t.item())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
 
     def _comm(self) -> torch.device:
         return torch.device(self.device if str(self.device).startswith("cuda") else "cpu")
