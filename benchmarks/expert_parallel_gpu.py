@@ -96,7 +96,8 @@ def main() -> None:
     if world > 1:
         from waste.runtime.parallel import ExpertParallel
 
-        ep = ExpertParallel.start(os.environ, world, device=a.device)
+        ep = ExpertParallel.start(os.environ, world, device=a.device,
+                                   report=lambda m: print(m, file=sys.stderr, flush=True))
     rank = ep.rank if ep else 0
     say = lambda what: print(f"rank {rank} at {time.perf_counter() - t0:.1f} s: {what}", file=sys.stderr,  # noqa: E731
                              flush=True)      # progress: a run cut at its limit says where it was

@@ -62,6 +62,10 @@ def run_one(item: str, ep, device: str = "cpu") -> dict | None:
         eng.close()
 
 
+def _error(message: str) -> None:
+    print(f"waste: error: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str]) -> None:
     out, rest, ep, device = Path(argv[0]), argv[1:], None, "cpu"
     if rest[0] == "--device":
@@ -69,7 +73,7 @@ def main(argv: list[str]) -> None:
     if rest[0] == "--expert-parallel":
         from waste.runtime.parallel import ExpertParallel
 
-        ep, rest = ExpertParallel.start(os.environ, int(rest[1]), device=device), rest[2:]
+        ep, rest = ExpertParallel.start(os.environ, int(rest[1]), device=device, report=_error), rest[2:]
         if rest[0] == "--weights":       # each rank's share of the experts (else even, or by each rank's room)
             ep.weights, rest = [float(w) for w in rest[1].split(",")], rest[2:]
     try:

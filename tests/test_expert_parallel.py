@@ -233,12 +233,11 @@ def test_refusals_by_name(releases, tmp_path, capsys, monkeypatch):
 def test_a_stuck_process_is_a_clear_error_not_a_stall():
     """A rank that never answers: after WASTE_EP_TIMEOUT seconds the waiting rank stops with one line naming its rank,
     the MoE layer and the step (NCCL's or gloo's own timeout would be 30 minutes of silence, or a hang)."""
-    t0 = time.time()
+    # without the watch this runs into run()'s limit (the group's own timeout is a year) and fails there
     r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             str(HERE / "ep_stall.py")], 120, env={**ENV, "WASTE_EP_TIMEOUT": "3"})
+             str(HERE / "ep_stall.py")], 300, env={**ENV, "WASTE_EP_TIMEOUT": "3"})
     assert r.returncode != 0 and "not reached" not in r.stdout
     assert "waste: error: expert parallel: rank 0 waited 3 s in the sizes before MoE layer 7" in r.stderr, r.stderr
-    assert time.time() - t0 < 100
 
 
 def test_a_bad_timeout_is_refused_by_name():
@@ -270,7 +269,8 @@ def test_uneven_shares_are_bit_identical(releases, tmp_path):
 def test_shares_follow_each_ranks_room():
     assert parallel.counts(8, 2) == [4, 4] and parallel.counts(9, 4) == [3, 2, 2, 2]
     assert parallel.counts(8, 2, [0.25, 0.75]) == [2, 6]
-    assert parallel.counts(896, 8, [1, 4, 4, 4, 4, 4, 4, 4]) == [31] + [124] * 4 + [123] * 3   # remainders: lowest first
+    # remainders to the largest fractions, ties to the lower rank
+    assert parallel.counts(896, 8, [1, 4, 4, 4, 4, 4, 4, 4]) == [31] + [124] * 4 + [123] * 3
     assert parallel.weights_for([50, 50], 100) is None                  # each holds an even share: even
     assert parallel.weights_for([10, 90], 100) == [0.1, 0.9]
     owner = parallel.place({1: 8, 2: 8}, 2, "id", None, [0.25, 0.75])
@@ -301,3 +301,8 @@ def test_plan_gives_rank_0_fewer_experts_where_the_trunk_leaves_it_less_room(tmp
     assert e0 < e1 and e0 + e1 == 4 * 64 and small["weights"] is not None
     assert [sum(r["experts_per_layer"]) for r in big["ranks"]] == [128, 128] and big["weights"] is None
     assert big["fits"] and big["gpu_bytes"] == 8 << 30
+    # in host memory (5 GB between 2 processes) rank 1 has room for 1.2 of its 1.5 GB: said so, and why it matters
+    p = waste_cli("plan", f"random:{cfg}", "--expert-parallel", "2", "--device", "cpu", "--ram", "5G")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1].startswith("does not fit resident: rank 1 holds ")
+    assert p.stdout.splitlines()[-1].endswith("(a random model needs them all: refused)")

@@ -289,7 +289,7 @@ def _plan_ranks(a, c):
                "does not fit resident: " + ", ".join(f"rank {x['rank']} holds {_fmt_bytes(x['plan']['budget_bytes'])} "
                                                      f"of its {_fmt_bytes(x['plan']['bank_bytes'])}"
                                                      for x in ranks if not x["plan"]["resident"]) +
-               (" (a random model needs them all: refused)" if gpu is not None or is_random(a.model) else
+               (" (a random model needs them all: refused)" if gpu is not None or _is_random_model(c) else
                 " (the rest streams from disk)"))
     if a.json:
         print(json.dumps({"expert_parallel": n, "placement": a.placement, "gpu_bytes": gpu, "fits": fits,
@@ -312,13 +312,18 @@ def _plan_ranks(a, c):
     print(verdict)
 
 
+def _is_random_model(c) -> bool:
+    from .random_model import RandomModel
+
+    return isinstance(c, RandomModel)
+
+
 def _random_on_gpu(a, c) -> int | None:
     """For a random: model planned for GPUs (--device cuda, or auto with one here): the bytes of one GPU, from
     --vram SIZE or this machine's first GPU; else None."""
-    from .random_model import RandomModel
     from .units import parse_size
 
-    if not isinstance(c, RandomModel) or a.device == "cpu":
+    if not _is_random_model(c) or a.device == "cpu":
         return None
     import torch
 
@@ -868,7 +873,8 @@ def _dispatch(args) -> None:
     if _is_hub(model):
         raise WasteError(f"--expert-parallel takes a local container: convert {model} first "
                          f"(waste run {model} --convert-only prints its path)")
-    args.ep = ExpertParallel.start(os.environ, n, args.placement, args.device)
+    args.ep = ExpertParallel.start(os.environ, n, args.placement, args.device,
+                                   report=lambda m: print(f"waste: error: {m}", file=sys.stderr, flush=True))
     try:
         if args.ep.rank == 0:
             args.fn(args)

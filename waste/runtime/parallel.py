@@ -20,8 +20,8 @@ so every rank holds the same number of experts and about the same share of the r
 """
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -144,19 +144,20 @@ class ExpertParallel:
     """This process's place in an expert-parallel group: `start` joins it (under torchrun)."""
 
     def __init__(self, world: int, rank: int, local_world: int, placement: str, device: str,
-                 timeout: float = TIMEOUT):
+                 timeout: float = TIMEOUT, report=None):
         self.world, self.rank, self.local_world, self.placement = world, rank, local_world, placement
         self.device = device
         self.owner: dict[int, list[int]] | None = None
         self.experts: ParallelExperts | None = None     # once loaded
         self.agreed = False                              # the ranks have agreed that every one loaded
         self.weights: list[float] | None = None          # each rank's share of the experts, fixed (else from rooms)
-        self.watch = Watch(rank, timeout)
+        self.watch = Watch(rank, timeout, report)
 
     @classmethod
-    def start(cls, env, n: int, placement: str = "id", device: str = "cpu") -> "ExpertParallel":
+    def start(cls, env, n: int, placement: str = "id", device: str = "cpu", report=None) -> "ExpertParallel":
         """env: the environment torchrun set (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT);
-        WASTE_EP_TIMEOUT there: the seconds a collective may take before the process stops (default 300)."""
+        WASTE_EP_TIMEOUT there: the seconds a collective may take before the process stops (default 300). report:
+        called with the one line that says why, just before a stuck process stops (default: logged)."""
         import torch.distributed as dist
 
         world = int(env.get("WORLD_SIZE", "0") or 0)
@@ -185,7 +186,7 @@ class ExpertParallel:
             device = f"cuda:{lr}"
             torch.cuda.set_device(device)
             kw["device_id"] = torch.device(device)     # NCCL's communicator made here, not on the first exchange
-        ep = cls(n, rank, local, placement, device, timeout)
+        ep = cls(n, rank, local, placement, device, timeout, report)
         if not dist.is_initialized():
             with ep.watch("joining the process group (the other processes did not arrive)"):
                 dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT, **kw)
@@ -262,11 +263,13 @@ class ExpertParallel:
 
 
 class Watch:
-    """`with watch("what"):` a step that must not take more than `seconds`; past that, this process writes one line
-    naming its rank and the step and exits (a thread checks: a blocked collective cannot be interrupted)."""
+    """`with watch("what"):` a step that must not take more than `seconds`; past that, this process reports one line
+    naming its rank and the step (`report`, default logged) and exits (a thread checks: a blocked collective cannot
+    be interrupted)."""
 
-    def __init__(self, rank: int, seconds: float):
+    def __init__(self, rank: int, seconds: float, report=None):
         self.rank, self.seconds = rank, seconds
+        self.report = report or logging.getLogger("waste").critical
         self.step: tuple[float, str] | None = None          # (deadline, what) while a step is watched
         self.thread = None
 
@@ -288,10 +291,10 @@ class Watch:
             time.sleep(min(1.0, self.seconds / 4))
             step = self.step
             if step is not None and time.monotonic() > step[0]:
-                sys.stderr.write(f"waste: error: expert parallel: rank {self.rank} waited {self.seconds:.0f} s in "
-                                 f"{step[1]}: another process is stuck or slower than that (WASTE_EP_TIMEOUT="
-                                 "SECONDS raises the limit); stopping\n")
-                sys.stderr.flush()
+                self.report(f"expert parallel: rank {self.rank} waited {self.seconds:.0f} s in {step[1]}: another "
+                            "process is stuck or slower than that (WASTE_EP_TIMEOUT=SECONDS raises the limit); "
+                            "stopping")
+                logging.shutdown()
                 os._exit(1)
 
 
