@@ -43,6 +43,7 @@ step 40 2 "the exchange alone at K3's latent 3584 wide top-16" \
     $T benchmarks/expert_parallel.py --device cuda --hidden 3584 --top-k 16 --iters 300
 step 100 2 "kimi-k3 8 layers (7 MoE) mxfp4 on 2 GPUs" $T $B $K,layers=8 -n 8 --repeat 3
 step 60 1 "kimi-k3 8 layers (7 MoE) mxfp4 on 1 GPU" python3 $B $K,layers=8 -n 8 --repeat 3
+step 120 2 "kimi-k3 17 layers mxfp4 on 2 GPUs (what 2 hold, the trunk on rank 0 alone)" $T $B $K,layers=17 -n 8 --repeat 3
 step 120 2 "qwen3-30b 48 layers q4 on 2 GPUs, -n 32" $T $B $Q -n 32 --repeat 3
 step 150 2 "families' NCCL bit-identity (transformers fixtures)" \
     python3 -m pytest -rA -q -p no:cacheprovider tests/test_expert_parallel.py -k two_gpus
