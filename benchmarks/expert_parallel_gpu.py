@@ -92,19 +92,26 @@ def main() -> None:
     cuda = a.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ep = None
+    ep, t0 = None, time.perf_counter()
     if world > 1:
         from waste.runtime.parallel import ExpertParallel
 
-        ep = ExpertParallel.start(os.environ, world, device=a.device)
+        ep = ExpertParallel.start(os.environ, world, device=a.device,
+                                   report=lambda m: print(m, file=sys.stderr, flush=True))
     rank = ep.rank if ep else 0
+    say = lambda what: print(f"rank {rank} at {time.perf_counter() - t0:.1f} s: {what}", file=sys.stderr,  # noqa: E731
+                             flush=True)      # progress: a run cut at its limit says where it was
+    say(f"started ({world} process(es))")
     a2a = all_to_all_rates(world) if ep and cuda else None
+    if a2a:
+        say("all-to-all rates: " + ", ".join(f"{int(k) >> 10} KiB {v['gb_per_s']:.1f} GB/s" for k, v in a2a.items()))
     hbm = hbm_rate() if cuda else 1e9
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     load = lambda: Engine.load(a.spec, dtype="bfloat16", device=a.device, expert_parallel=ep)  # noqa: E731
     eng = ep.load(load) if ep else load()
     sync()
-    load_s = time.perf_counter() - t0
+    load_s = time.perf_counter() - t1
+    say(f"loaded in {load_s:.1f} s")
     try:
         if rank != 0:
             eng.experts.follow()
@@ -117,6 +124,7 @@ def main() -> None:
             state = m.new_state()
             m.forward(torch.tensor(ids[:a.prompt_len]), state, 0, last_only=True)
             sync()
+            say(f"{'warm-up' if not r else f'repeat {r}'}: prefill done")
             c0 = eng.experts.report() if ep else None
             t = time.perf_counter()
             for i in range(a.n):
@@ -132,8 +140,7 @@ def main() -> None:
                            bytes_sent_per_layer=(c1["bytes_sent"] - c0["bytes_sent"]) / rounds, rounds=rounds)
             if r:
                 runs.append(run)
-            print(f"{'warm-up' if not r else f'repeat {r}'}: " + ", ".join(f"{k} {v:.1f}" for k, v in run.items()),
-                  flush=True)
+            say(f"{'warm-up' if not r else f'repeat {r}'}: " + ", ".join(f"{k} {v:.1f}" for k, v in run.items()))
         tb = token_bytes(eng, world)
         summary = {k: {"median": statistics.median(x[k] for x in runs), "min": min(x[k] for x in runs),
                        "max": max(x[k] for x in runs)} for k in runs[0]}

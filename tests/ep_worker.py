@@ -1,7 +1,7 @@
 """Run by tests/test_expert_parallel.py, both under torchrun (`--expert-parallel`: rank 0 writes what it computed)
 and in one process (the reference): the same forwards of each container, saved to OUT/NAME.pt.
 
-usage: python ep_worker.py OUT [--device cuda] [--expert-parallel N] NAME=CONTAINER[@BUDGET][+PLACEMENT] ...
+usage: python ep_worker.py OUT [--device cuda] [--expert-parallel N [--weights W0,W1..]] NAME=CONTAINER[@BUDGET][+PLACEMENT] ...
 (on GPUs: `torchrun --nproc-per-node 2 tests/ep_worker.py OUT --device cuda --expert-parallel 2 ...` against
 `python tests/ep_worker.py OUT1 --device cuda ...`: NCCL, one GPU per process)
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,18 +42,28 @@ def run_one(item: str, ep, device: str = "cpu") -> dict | None:
         ep.placement = placement or "id"
     load = lambda: Engine.load(path, dtype="float32", budget=budget or None, preload=not budget,  # noqa: E731
                                expert_parallel=ep, device=device)
+    t0 = time.perf_counter()
     eng = load() if ep is None else ep.load(load)
+    rank = 0 if ep is None else ep.rank
+    # progress on stderr, so that a run cut at its time limit says where it was
+    print(f"ep_worker rank {rank}: {name} loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     try:
         if ep is not None and ep.rank != 0:
             eng.experts.follow()
             return None
         res = outputs(eng)
+        print(f"ep_worker rank 0: {name} computed in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         res["misses"], res["evictions"] = eng.experts.stats.misses, eng.experts.stats.evictions
+        res["held"] = eng.experts.n_records           # the expert records this process holds
         if ep is not None:
             eng.experts.stop()
         return res
     finally:
         eng.close()
+
+
+def _error(message: str) -> None:
+    print(f"waste: error: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> None:
@@ -62,7 +73,9 @@ def main(argv: list[str]) -> None:
     if rest[0] == "--expert-parallel":
         from waste.runtime.parallel import ExpertParallel
 
-        ep, rest = ExpertParallel.start(os.environ, int(rest[1]), device=device), rest[2:]
+        ep, rest = ExpertParallel.start(os.environ, int(rest[1]), device=device, report=_error), rest[2:]
+        if rest[0] == "--weights":       # each rank's share of the experts (else even, or by each rank's room)
+            ep.weights, rest = [float(w) for w in rest[1].split(",")], rest[2:]
     try:
         for item in rest:
             res = run_one(item, ep, device)

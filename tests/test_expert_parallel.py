@@ -22,12 +22,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRACE = ROOT / "benchmarks" / "traces" / "tiny-py-moe-heldout.json"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
-       "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+       "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run, where a command cut at its timeout fails with the end of what it printed (ep_worker says
+    which model it was at), not with the timeout alone."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, env=kw.pop("env", ENV), timeout=timeout, **kw)
+    except subprocess.TimeoutExpired as e:
+        tail = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
+        pytest.fail(f"{' '.join(cmd[:6])} ... still running after {timeout:.0f} s; its last output:\n{tail[-3000:]}")
 
 
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args], timeout)
 
 
 def waste_cli(*args: str) -> subprocess.CompletedProcess:
@@ -95,8 +104,7 @@ def one_and_two_processes(items: list[str], out: Path, device: str) -> None:
     own folder of out, both started fresh: then rank 0's tensors against the one process's, by name."""
     for d in ("one", "two"):
         (out / d).mkdir()
-    one = subprocess.run([sys.executable, str(HERE / "ep_worker.py"), str(out / "one"), "--device", device, *items],
-                         capture_output=True, text=True, env=ENV, timeout=600)
+    one = run([sys.executable, str(HERE / "ep_worker.py"), str(out / "one"), "--device", device, *items], 600)
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun(str(HERE / "ep_worker.py"), str(out / "two"), "--device", device, "--expert-parallel", "2",
                    *items, timeout=600)
@@ -220,3 +228,81 @@ def test_refusals_by_name(releases, tmp_path, capsys, monkeypatch):
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
         assert err.startswith("waste: error: ") and why in err, (argv, err)
+
+
+def test_a_stuck_process_is_a_clear_error_not_a_stall():
+    """A rank that never answers: after WASTE_EP_TIMEOUT seconds the waiting rank stops with one line naming its rank,
+    the MoE layer and the step (NCCL's or gloo's own timeout would be 30 minutes of silence, or a hang)."""
+    # without the watch this runs into run()'s limit (the group's own timeout is a year) and fails there
+    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             str(HERE / "ep_stall.py")], 300, env={**ENV, "WASTE_EP_TIMEOUT": "3"})
+    assert r.returncode != 0 and "not reached" not in r.stdout
+    assert "waste: error: expert parallel: rank 0 waited 3 s in the sizes before MoE layer 7" in r.stderr, r.stderr
+
+
+def test_a_bad_timeout_is_refused_by_name():
+    env = {"WORLD_SIZE": "2", "RANK": "0", "WASTE_EP_TIMEOUT": "soon"}
+    with pytest.raises(WasteError, match="WASTE_EP_TIMEOUT='soon': give the seconds"):
+        parallel.ExpertParallel.start(env, 2)
+
+
+def test_uneven_shares_are_bit_identical(releases, tmp_path):
+    """Rank 0 with a quarter of every layer's experts, rank 1 with the rest (what a rank 0 short of room beside the
+    trunk gets): the same bits as one process, and rank 0 really held fewer."""
+    m = str(releases["qwen3_moe"][2])
+    (tmp_path / "ep").mkdir()
+    r = torchrun(str(HERE / "ep_worker.py"), str(tmp_path / "ep"), "--expert-parallel", "2", "--weights", "1,3",
+                 f"q={m}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = ep_worker.run_one(f"q={m}", None)
+    finally:
+        torch.set_num_threads(threads)
+    got = torch.load(tmp_path / "ep" / "q.pt")
+    for k in ("prefill", "greedy", "batch_a", "batch_b", "next_a", "next_b"):
+        assert torch.equal(got[k], want[k]), k
+    assert got["held"] * 4 == want["held"]                    # 8 experts a layer: 2 on rank 0, 6 on rank 1
+
+
+def test_shares_follow_each_ranks_room():
+    assert parallel.counts(8, 2) == [4, 4] and parallel.counts(9, 4) == [3, 2, 2, 2]
+    assert parallel.counts(8, 2, [0.25, 0.75]) == [2, 6]
+    # remainders to the largest fractions, ties to the lower rank
+    assert parallel.counts(896, 8, [1, 4, 4, 4, 4, 4, 4, 4]) == [31] + [124] * 4 + [123] * 3
+    assert parallel.weights_for([50, 50], 100) is None                  # each holds an even share: even
+    assert parallel.weights_for([10, 90], 100) == [0.1, 0.9]
+    owner = parallel.place({1: 8, 2: 8}, 2, "id", None, [0.25, 0.75])
+    assert owner == {1: [0, 0, 1, 1, 1, 1, 1, 1], 2: [0, 0, 1, 1, 1, 1, 1, 1]}
+    owner = parallel.place({i: 16 for i in range(8)}, 2, f"trace:{TRACE}", 2, [0.25, 0.75])
+    assert all(o.count(0) == 4 for o in owner.values())
+
+
+def test_plan_gives_rank_0_fewer_experts_where_the_trunk_leaves_it_less_room(tmp_path):
+    """waste plan --expert-parallel on a random model sized for GPUs: ranks other than 0 hold no trunk, so where rank
+    0 has no room for an even share beside it, it gets fewer experts, and the plan says whether every rank fits."""
+    cfg = tmp_path / "q.json"
+    from waste.convert.synthetic import qwen3_moe_config
+
+    # a 1.1 GB trunk (a 262144-row vocabulary), 0.8 GB of experts: on 4.5 GB GPUs (2 GiB of each reserved) rank 0
+    # has room for about 0.66 GB of experts beside the trunk, less than half the bank; on 8 GB GPUs for all of it
+    cfg.write_text(json.dumps(qwen3_moe_config(vocab_size=262144, hidden_size=1024, moe_intermediate_size=1024,
+                                               num_hidden_layers=4, num_experts=64)))
+    plans = {}
+    for gpu in ("4500M", "8G"):
+        p = waste_cli("plan", f"random:{cfg}", "--expert-parallel", "2", "--device", "cuda", "--vram", gpu, "--json")
+        assert p.returncode == 0, p.stderr
+        plans[gpu] = json.loads(p.stdout)
+    small, big = plans["4500M"], plans["8G"]
+    assert [r["trunk"] for r in small["ranks"]] == [True, False]
+    assert small["ranks"][0]["plan"]["trunk_bytes"] > 0 == small["ranks"][1]["plan"]["trunk_bytes"]
+    e0, e1 = (sum(r["experts_per_layer"]) for r in small["ranks"])
+    assert e0 < e1 and e0 + e1 == 4 * 64 and small["weights"] is not None
+    assert [sum(r["experts_per_layer"]) for r in big["ranks"]] == [128, 128] and big["weights"] is None
+    assert big["fits"] and big["gpu_bytes"] == 8 << 30
+    # in host memory (5 GB between 2 processes) rank 1 has room for 1.2 of its 1.5 GB: said so, and why it matters
+    p = waste_cli("plan", f"random:{cfg}", "--expert-parallel", "2", "--device", "cpu", "--ram", "5G")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1].startswith("does not fit resident: rank 1 holds ")
+    assert p.stdout.splitlines()[-1].endswith("(a random model needs them all: refused)")

@@ -251,13 +251,22 @@ def _plan_ranks(a, c):
     memory plan (the ranks on one machine split its memory)."""
     from .runtime import parallel
     from .runtime.dtype import resolve_dtype
-    from .runtime.plan import plan_memory
+    from .runtime.plan import expert_room, plan_memory
     from .units import parse_size
 
     n = a.expert_parallel
     parallel.check_placement(a.placement)
     layers, top_k = parallel.moe_layers(c), (c.config.get("moe") or {}).get("top_k")
-    owner = parallel.place(layers, n, a.placement, top_k)
+    dt, ram = resolve_dtype(a.dtype, c), None if a.ram is None else parse_size(a.ram)
+    gpu = _random_on_gpu(a, c)
+    if gpu is not None:       # a random: model lives on the GPUs: each process plans against one GPU's memory
+        ram = c.plan_ram(n, gpu)
+    # rank 0 holds the trunk, the others experts alone: a rank without room for an even share gets fewer
+    rooms = [parse_size(a.budget) if a.budget is not None else
+             expert_room(c, dt, a.context, ram, n, a.prefill_chunk, r == 0) for r in range(n)]
+    rec = c.manifest["experts"]["record_bytes"]
+    weights = parallel.weights_for(rooms, sum(layers.values()) * rec, len(layers) * rec)
+    owner = parallel.place(layers, n, a.placement, top_k, weights)
     shares = by_id = None
     if a.placement.startswith("trace:"):
         count = parallel.frequencies(layers, parallel.traces.load(a.placement[len("trace:"):]), top_k)
@@ -266,26 +275,66 @@ def _plan_ranks(a, c):
     ranks = []
     for r in range(n):
         per_layer = [o.count(r) for o in owner.values()]
-        p = plan_memory(c, resolve_dtype(a.dtype, c), a.context, None if a.ram is None else parse_size(a.ram),
-                        None if a.budget is None else parse_size(a.budget), per_layer, n)
+        try:
+            p = plan_memory(c, dt, a.context, ram, None if a.budget is None else parse_size(a.budget), per_layer, n,
+                            a.prefill_chunk, trunk=r == 0)
+        except WasteError as e:
+            raise WasteError(f"rank {r} ({'the trunk and ' if r == 0 else ''}{sum(per_layer)} expert records): {e}")
         ranks.append({"rank": r, "experts_per_layer": per_layer, "pair_share": None if shares is None else shares[r],
-                      "plan": p.to_json(), "lines": p.lines()})
+                      "trunk": r == 0, "plan": p.to_json(), "lines": p.lines()})
+    # a random model keeps every expert resident; a container streams what its budget does not hold
+    fits = all(x["plan"]["resident"] for x in ranks)
+    where = f"{n} GPUs of {_fmt_bytes(gpu)}" if gpu is not None else "one machine"
+    verdict = (f"fits: every rank holds all its experts resident ({where})" if fits else
+               "does not fit resident: " + ", ".join(f"rank {x['rank']} holds {_fmt_bytes(x['plan']['budget_bytes'])} "
+                                                     f"of its {_fmt_bytes(x['plan']['bank_bytes'])}"
+                                                     for x in ranks if not x["plan"]["resident"]) +
+               (" (a random model needs them all: refused)" if gpu is not None or _is_random_model(c) else
+                " (the rest streams from disk)"))
     if a.json:
-        print(json.dumps({"expert_parallel": n, "placement": a.placement,
-                          "layer_peak": None if shares is None else peak,
+        print(json.dumps({"expert_parallel": n, "placement": a.placement, "gpu_bytes": gpu, "fits": fits,
+                          "weights": weights, "layer_peak": None if shares is None else peak,
                           "by_id": None if shares is None else {"pair_share": by_id, "layer_peak": peak_id},
                           "ranks": [{k: v for k, v in x.items() if k != "lines"} for x in ranks]}, indent=1))
         return
-    print(f"expert parallel {n} processes on one machine ({a.placement} placement; "
-          f"torchrun --nproc-per-node {n} -m waste VERB ... --expert-parallel {n})")
+    print(f"expert parallel {n} processes on {where} ({a.placement} placement"
+          + (", experts weighed by each rank's room: rank 0 holds the trunk" if weights else "") +
+          f"; torchrun --nproc-per-node {n} -m waste VERB ... --expert-parallel {n})")
     if shares is not None:
         print(f"routed pairs per rank in the trace: {' / '.join(f'{100 * s:.1f}%' for s in shares)}; busiest rank "
               f"per layer {peak:.2f}x an even share (blocks of ids: "
               f"{' / '.join(f'{100 * s:.1f}%' for s in by_id)}; {peak_id:.2f}x)")
     for x in ranks:
         e = x["experts_per_layer"]
-        print(f"-- rank {x['rank']}: {sum(e)} expert records ({min(e)} to {max(e)} per MoE layer)")
+        print(f"-- rank {x['rank']}: {sum(e)} expert records ({min(e)} to {max(e)} per MoE layer)"
+              + ("" if x["trunk"] else ", no trunk (it computes experts only)"))
         print("\n".join(x["lines"]))
+    print(verdict)
+
+
+def _is_random_model(c) -> bool:
+    from .random_model import RandomModel
+
+    return isinstance(c, RandomModel)
+
+
+def _random_on_gpu(a, c) -> int | None:
+    """For a random: model planned for GPUs (--device cuda, or auto with one here): the bytes of one GPU, from
+    --vram SIZE or this machine's first GPU; else None."""
+    from .units import parse_size
+
+    if not _is_random_model(c) or a.device == "cpu":
+        return None
+    import torch
+
+    if a.vram is not None:
+        return parse_size(a.vram)
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    if a.device == "auto":
+        return None
+    raise WasteError("waste plan random:... --device cuda: no GPU here to size from; give --vram SIZE, one GPU's "
+                     "memory (141G for an H200)")
 
 
 def cmd_bench(a):
@@ -824,7 +873,8 @@ def _dispatch(args) -> None:
     if _is_hub(model):
         raise WasteError(f"--expert-parallel takes a local container: convert {model} first "
                          f"(waste run {model} --convert-only prints its path)")
-    args.ep = ExpertParallel.start(os.environ, n, args.placement, args.device)
+    args.ep = ExpertParallel.start(os.environ, n, args.placement, args.device,
+                                   report=lambda m: print(f"waste: error: {m}", file=sys.stderr, flush=True))
     try:
         if args.ep.rank == 0:
             args.fn(args)

@@ -17,7 +17,7 @@ from .quant.linear import assemble_trunk
 from .random_model import RandomModel, is_random
 from .runtime.cache import ExpertCache
 from .runtime.dtype import resolve_dtype
-from .runtime.plan import MemoryPlan, plan_memory
+from .runtime.plan import MemoryPlan, expert_room, plan_memory
 from .runtime.vram import vram_budget
 from .units import parse_size
 from .runtime.sampling import Sampler, SamplingParams
@@ -294,23 +294,29 @@ class Engine:
             if experts_per_token is not None:
                 check_experts_per_token(container.config, experts_per_token)   # before the cache's fill thread
             ep, owned = expert_parallel, None
-            if ep is not None:
-                owned = ep.owned(container)
+            only = ep is not None and ep.experts_only     # a rank other than 0 holds no trunk: it computes experts
             if resolve_device(device) == "cpu":
                 from .layers.moe_cpu import warm
 
                 warm()       # the decode kernels' runtime is part of the process the plan measures
             if random and ram is None:
                 ram = container.plan_ram(ep.local_world if ep else 1)
-            plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),
-                               None if budget is None else parse_size(budget),
+            ram = None if ram is None else parse_size(ram)
+            vision = container.family in VISION_RUNS and not only
+            if ep is not None:       # the ranks weigh their shares of the experts by the room each has for them
+                owned = ep.owned(container, parse_size(budget) if budget is not None else expert_room(
+                    container, dt, context, ram, ep.local_world, prefill_chunk, not only, vision))
+            plan = plan_memory(container, dt, context, ram, None if budget is None else parse_size(budget),
                                None if ep is None else [len(o) for o in owned.values()], ep.local_world if ep else 1,
-                               prefill_chunk=prefill_chunk, vision=container.family in VISION_RUNS)
+                               prefill_chunk=prefill_chunk, vision=vision, trunk=not only)
             from .text.tokenizer import load_tokenizer
 
             tokenizer = container.tokenizer if random else load_tokenizer(container.root)
-            trunk = assemble_trunk(container.load_trunk(verify=verify), container.manifest["trunk"])
             dev = resolve_device(device)
+            if only:
+                return cls._experts_only(container, tokenizer, dt, plan, dev, owned, ep, budget, vram, threads,
+                                         preload, verify, direct)
+            trunk = assemble_trunk(container.load_trunk(verify=verify), container.manifest["trunk"])
             if random:
                 experts = container.expert_store(dt, owned, plan)
             else:
@@ -334,6 +340,21 @@ class Engine:
             container.close()
             raise
         return cls(container, model, tokenizer, experts, dt, plan)
+
+    @classmethod
+    def _experts_only(cls, container, tokenizer, dt, plan, dev, owned, ep, budget, vram, threads, preload, verify,
+                      direct) -> "Engine":
+        """An expert-parallel rank other than 0: its experts' store and the exchange, no trunk and no model (it only
+        ever answers rank 0's MoE layers: ParallelExperts.follow)."""
+        if isinstance(container, RandomModel):
+            experts = container.expert_store(dt, owned, plan)
+        else:
+            vb = vram_budget(plan, dev, None if vram is None else parse_size(vram))
+            experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
+                                  direct=direct, device=dev, vram=vb, owned=owned)
+        experts = ep.store(experts)
+        experts.make_bank(dev)
+        return cls(container, None, tokenizer, experts, dt, plan)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -410,7 +431,7 @@ class Engine:
         return self._chat_format
 
     def close(self) -> None:
-        if self.model.expert_pool is not None:
+        if self.model is not None and self.model.expert_pool is not None:
             self.model.expert_pool.shutdown()
         self.experts.close()
         self.container.close()

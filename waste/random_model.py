@@ -203,13 +203,13 @@ class RandomModel:
             out[name] = t
         return out
 
-    def plan_ram(self, local_world: int) -> int | None:
-        """The memory a plan sizes against: on a GPU its memory less the allocator's reserve (the model lives
-        there), given so that the plan's ceiling (3/4 of what it is given, split among the processes of a host) is
-        that; else None: the host's."""
-        if self.device.type == "cpu":
+    def plan_ram(self, local_world: int, gpu_bytes: int | None = None) -> int | None:
+        """The memory a plan sizes against: on a GPU its memory (gpu_bytes: that of the GPUs planned for, where
+        there is none here) less the allocator's reserve (the model lives there), given so that the plan's ceiling
+        (3/4 of what it is given, split among the processes of a host) is that; else None: the host's."""
+        if self.device.type == "cpu" and gpu_bytes is None:
             return None
-        gpu = torch.cuda.get_device_properties(self.device).total_memory - GPU_RESERVE
+        gpu = (gpu_bytes or torch.cuda.get_device_properties(self.device).total_memory) - GPU_RESERVE
         return int(gpu / CEILING) * local_world
 
     def expert_store(self, dtype: torch.dtype, owned: dict | None, plan) -> GeneratedExperts:

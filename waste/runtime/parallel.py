@@ -9,12 +9,20 @@ takes the weighted sum over its k pairs itself, as one process does, and each ow
 kernel call one process makes for it (a sequence's rows apart from other sequences', a prefill row through the
 per-expert matmul even where it arrives alone), so the logits are bit-identical to one process's.
 
+Every collective inside a round runs under a watch (`Watch`): one that has not returned after `timeout` seconds (a rank
+stuck or far too slow) ends the process with one line naming the rank, the MoE layer and the step; torchrun then
+ends the others. A follower's wait for the driver's next round is not watched (a server idles there between
+requests), which is why the process group's own timeout is long.
+
 Placement: experts in contiguous blocks of ids (`id`), or from a routing trace (`trace:FILE`, runtime/trace.py):
 per MoE layer the experts by measured frequency, hottest first, each to the least-loaded rank that still has room,
 so every rank holds the same number of experts and about the same share of the routed pairs.
 """
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from datetime import timedelta
 
@@ -25,6 +33,8 @@ from ..layers.moe import expert_pairs, kernel_for, segments, weighted_sum
 from . import trace as traces
 
 IDLE, STOP, STATS = -1, -2, -3      # header tags besides a layer index
+TIMEOUT = 300.0                     # seconds a watched collective may take (WASTE_EP_TIMEOUT overrides)
+GROUP_TIMEOUT = timedelta(days=365)  # the process group's own: a follower idles in a collective between requests
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -37,18 +47,47 @@ def check_placement(spec: str) -> None:
         traces.load(spec[len("trace:"):])
 
 
-def place(layers: dict[int, int], world: int, spec: str = "id", top_k: int | None = None) -> dict[int, list[int]]:
-    """layer -> the rank of each of its experts. layers: MoE layer -> number of experts, in layer order."""
+def place(layers: dict[int, int], world: int, spec: str = "id", top_k: int | None = None,
+          weights: list[float] | None = None) -> dict[int, list[int]]:
+    """layer -> the rank of each of its experts. layers: MoE layer -> number of experts, in layer order. weights:
+    each rank's share of every layer's experts (None: even; `weights_for` makes them from what each rank holds)."""
     if world < 1:
         raise WasteError(f"--expert-parallel {world}: give 1 or more processes")
     small = min(layers.values(), default=world)
     if small < world:
         raise WasteError(f"--expert-parallel {world}: the model has only {small} experts per layer; use at most "
                          f"{small} processes")
-    if spec == "id":
+    if spec == "id" and weights is None:
         return {l: [e * world // n for e in range(n)] for l, n in layers.items()}
+    if spec == "id":
+        return {l: [r for r, c in enumerate(counts(n, world, weights)) for _ in range(c)] for l, n in layers.items()}
     count, total = frequencies(layers, traces.load(spec[len("trace:"):]), top_k), [0] * world
-    return {l: balance(count[l], world, total) for l in layers}
+    return {l: balance(count[l], world, total, counts(len(count[l]), world, weights)) for l in layers}
+
+
+def counts(n: int, world: int, weights: list[float] | None = None) -> list[int]:
+    """How many of a layer's n experts each rank holds: n // world or one more (the first ranks), or in proportion
+    to weights (largest remainders first, ties to the lower rank)."""
+    if weights is None:
+        return [n // world + (r < n % world) for r in range(world)]
+    total = sum(weights)
+    exact = [n * w / total for w in weights]
+    out = [int(x) for x in exact]
+    for r in sorted(range(world), key=lambda r: (out[r] - exact[r], r))[:n - sum(out)]:
+        out[r] += 1
+    return out
+
+
+def weights_for(capacity: list[int], bank: int, margin: int = 0) -> list[float] | None:
+    """Each rank's share of the experts from the bytes of expert records it can hold (its memory plan's room beside
+    its floor: rank 0 holds the trunk, the others do not): None (even shares, by id or trace) where every rank holds
+    an even share, else in proportion to what each holds less `margin` (a record per MoE layer: what rounding a
+    layer's share up can add)."""
+    world = len(capacity)
+    room = [max(c - margin, 0) for c in capacity]
+    if min(capacity) * world >= bank + world * margin or sum(room) <= 0:
+        return None
+    return [c / sum(room) for c in room]
 
 
 def frequencies(layers: dict[int, int], trace: dict, top_k: int | None) -> dict[int, list[int]]:
@@ -66,12 +105,12 @@ def frequencies(layers: dict[int, int], trace: dict, top_k: int | None) -> dict[
     return out
 
 
-def balance(count: list[int], world: int, total: list[int]) -> list[int]:
+def balance(count: list[int], world: int, total: list[int], room: list[int] | None = None) -> list[int]:
     """One layer's experts' ranks: hottest first (ties by id) to the least-loaded rank with room, ties to the rank
     with the least load over the layers placed so far (`total`, updated), then the lowest; every rank gets
-    n // world experts or one more."""
+    n // world experts or one more (or room[r] of them)."""
     n = len(count)
-    room = [n // world + (r < n % world) for r in range(world)]
+    room = list(room) if room is not None else counts(n, world)
     load, owner = [0] * world, [0] * n
     for e in sorted(range(n), key=lambda e: (-count[e], e)):
         r = min((r for r in range(world) if room[r]), key=lambda r: (load[r], total[r], r))
@@ -104,16 +143,21 @@ def moe_layers(container) -> dict[int, int]:
 class ExpertParallel:
     """This process's place in an expert-parallel group: `start` joins it (under torchrun)."""
 
-    def __init__(self, world: int, rank: int, local_world: int, placement: str, device: str):
+    def __init__(self, world: int, rank: int, local_world: int, placement: str, device: str,
+                 timeout: float = TIMEOUT, report=None):
         self.world, self.rank, self.local_world, self.placement = world, rank, local_world, placement
         self.device = device
         self.owner: dict[int, list[int]] | None = None
         self.experts: ParallelExperts | None = None     # once loaded
         self.agreed = False                              # the ranks have agreed that every one loaded
+        self.weights: list[float] | None = None          # each rank's share of the experts, fixed (else from rooms)
+        self.watch = Watch(rank, timeout, report)
 
     @classmethod
-    def start(cls, env, n: int, placement: str = "id", device: str = "cpu") -> "ExpertParallel":
-        """env: the environment torchrun set (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT)."""
+    def start(cls, env, n: int, placement: str = "id", device: str = "cpu", report=None) -> "ExpertParallel":
+        """env: the environment torchrun set (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT);
+        WASTE_EP_TIMEOUT there: the seconds a collective may take before the process stops (default 300). report:
+        called with the one line that says why, just before a stuck process stops (default: logged)."""
         import torch.distributed as dist
 
         world = int(env.get("WORLD_SIZE", "0") or 0)
@@ -122,19 +166,52 @@ class ExpertParallel:
                              f"torchrun --nproc-per-node {n} -m waste VERB ... --expert-parallel {n}"
                              + (f" (this is {world} process(es))" if world else ""))
         check_placement(placement)
+        timeout = env.get("WASTE_EP_TIMEOUT", str(TIMEOUT))
+        try:
+            timeout = float(timeout)
+            assert timeout > 0
+        except (ValueError, AssertionError):
+            raise WasteError(f"WASTE_EP_TIMEOUT={timeout!r}: give the seconds a collective may take (more than 0)") \
+                from None
         rank, local = int(env["RANK"]), int(env.get("LOCAL_WORLD_SIZE", n))
         cuda = device.startswith("cuda") or device == "auto" and torch.cuda.is_available()
+        kw = {}
         if cuda:
-            device = f"cuda:{int(env.get('LOCAL_RANK', 0))}"
+            # a GPU each, chosen before NCCL or any CUDA tensor sees the process: two ranks on one GPU hang NCCL
+            lr, gpus = int(env.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+            if lr >= gpus:
+                raise WasteError(f"--expert-parallel on GPUs takes one GPU a process: local rank {lr} of "
+                                 f"{local} but this machine shows {gpus} GPU(s); " +
+                                 (f"use --nproc-per-node {gpus} or fewer" if gpus else "use --device cpu"))
+            device = f"cuda:{lr}"
             torch.cuda.set_device(device)
+            kw["device_id"] = torch.device(device)     # NCCL's communicator made here, not on the first exchange
+        ep = cls(n, rank, local, placement, device, timeout, report)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
-        return cls(n, rank, local, placement, device)
+            with ep.watch("joining the process group (the other processes did not arrive)"):
+                dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT, **kw)
+        return ep
 
-    def owned(self, container) -> dict[int, list[int]]:
-        """layer -> this rank's experts (ascending); fixes the placement for the container."""
+    @property
+    def experts_only(self) -> bool:
+        """This rank holds experts and no trunk: it only ever answers rank 0's MoE layers."""
+        return self.rank != 0
+
+    def owned(self, container, capacity: int | None = None) -> dict[int, list[int]]:
+        """layer -> this rank's experts (ascending); fixes the placement for the container. capacity: the bytes of
+        expert records this rank can hold; given, the ranks exchange theirs and a rank that cannot hold an even
+        share (rank 0, beside the trunk) gets fewer experts (`weights_for`)."""
         moe = container.config.get("moe") or {}
-        self.owner = place(moe_layers(container), self.world, self.placement, moe.get("top_k"))
+        layers, weights = moe_layers(container), self.weights
+        if weights is None and capacity is not None and self.world > 1:
+            import torch.distributed as dist
+
+            caps = [None] * self.world
+            with self.watch("the exchange of each process's room for experts"):
+                dist.all_gather_object(caps, int(capacity))
+            rec = container.manifest["experts"]["record_bytes"]
+            weights = weights_for(caps, sum(layers.values()) * rec, len(layers) * rec)
+        self.owner = place(layers, self.world, self.placement, moe.get("top_k"), weights)
         return {l: [e for e, r in enumerate(o) if r == self.rank] for l, o in self.owner.items()}
 
     def store(self, local) -> "ParallelExperts":
@@ -160,6 +237,8 @@ class ExpertParallel:
         """Every rank's ok, and-ed (after loading: a rank that failed must not leave the others waiting)."""
         import torch.distributed as dist
 
+        # not watched: the other ranks wait here while rank 0 loads the trunk (minutes for a large one), and a rank
+        # that fails to load still comes here with its False
         t = torch.tensor([1 if ok else 0], device=self._comm())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
@@ -181,6 +260,42 @@ class ExpertParallel:
                 self.experts.stop()
         finally:
             dist.destroy_process_group()
+
+
+class Watch:
+    """`with watch("what"):` a step that must not take more than `seconds`; past that, this process reports one line
+    naming its rank and the step (`report`, default logged) and exits (a thread checks: a blocked collective cannot
+    be interrupted)."""
+
+    def __init__(self, rank: int, seconds: float, report=None):
+        self.rank, self.seconds = rank, seconds
+        self.report = report or logging.getLogger("waste").critical
+        self.step: tuple[float, str] | None = None          # (deadline, what) while a step is watched
+        self.thread = None
+
+    def __call__(self, what: str) -> "Watch":
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, daemon=True, name="waste-ep-watch")
+            self.thread.start()
+        self.step = (time.monotonic() + self.seconds, what)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.step = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.seconds / 4))
+            step = self.step
+            if step is not None and time.monotonic() > step[0]:
+                self.report(f"expert parallel: rank {self.rank} waited {self.seconds:.0f} s in {step[1]}: another "
+                            "process is stuck or slower than that (WASTE_EP_TIMEOUT=SECONDS raises the limit); "
+                            "stopping")
+                logging.shutdown()
+                os._exit(1)
 
 
 class ParallelExperts:
@@ -221,7 +336,7 @@ class ParallelExperts:
 
     def rank_stats(self) -> list[dict]:
         """Every rank's cache counters and exchange figures (rank 0 asks; the others answer from `follow`)."""
-        self._sizes(torch.tensor([[STATS, 0]] * self.group.world, dtype=torch.long))
+        self._sizes(torch.tensor([[STATS, 0]] * self.group.world, dtype=torch.long), "the counters' exchange")
         return self._gather()
 
     def _gather(self) -> list[dict]:
@@ -232,41 +347,54 @@ class ParallelExperts:
         mine = {"rank": self.group.rank, **dataclasses.asdict(self.local.stats.snapshot()), **self.report()}
         mine.pop("per_layer", None)
         out = [None] * self.group.world
-        dist.all_gather_object(out, mine)
+        with self.group.watch("the counters' exchange"):
+            dist.all_gather_object(out, mine)
         return out
 
     def stop(self) -> None:
         """The driver is done: the other ranks leave `follow`."""
         if not self.stopped and self.group.world > 1:
             self.stopped = True
-            self._sizes(torch.tensor([[STOP, 0]] * self.group.world, dtype=torch.long))
+            self._sizes(torch.tensor([[STOP, 0]] * self.group.world, dtype=torch.long), "the stop message")
 
     # -- one round ---------------------------------------------------------------------------------------
-    def _sizes(self, header: torch.Tensor) -> torch.Tensor:
+    def _sizes(self, header: torch.Tensor, what: str | None) -> torch.Tensor:
+        """Every rank's [tag, bytes] for each rank; as CUDA tensors under NCCL (its collectives take no host
+        tensors), so the .cpu() that follows is the wait for the other ranks."""
         import torch.distributed as dist
 
         dev = self.group._comm()
         out = torch.empty_like(header, device=dev)
-        self._collective(dist.all_to_all_single, out, header.to(dev))
-        return out.cpu()
+        return self._collective(what, dist.all_to_all_single, out, header.to(dev))
 
-    def _bytes(self, chunks: list[torch.Tensor], sizes_in: list[int]) -> torch.Tensor:
+    def _bytes(self, chunks: list[torch.Tensor], sizes_in: list[int], what: str) -> torch.Tensor:
+        """One chunk to each rank, sizes_in bytes from each (zero-size ones included: every rank joins every
+        exchange)."""
         import torch.distributed as dist
 
         dev = self.group._comm()
         send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(sum(sizes_in), dtype=torch.uint8, device=dev)
-        self._collective(dist.all_to_all_single, out, send.to(dev), sizes_in, [c.numel() for c in chunks])
+        got = self._collective(what, dist.all_to_all_single, out, send.to(dev), sizes_in, [c.numel() for c in chunks])
         self.bytes_sent += send.numel()
-        return out.cpu()
+        return got
 
-    def _collective(self, fn, *args) -> None:
+    def _collective(self, what: str | None, fn, out: torch.Tensor, *args) -> torch.Tensor:
+        """fn(out, *args), then out on the host; watched unless what is None (a follower waiting for a round)."""
         t0 = time.perf_counter()
+        watch = self.group.watch
         try:
-            fn(*args)
+            if what is not None:
+                watch(what)
+            fn(out, *args)
+            out = out.cpu()
         except RuntimeError as exc:      # a rank that stopped (its own error is above) closes its connections
-            raise WasteError(f"expert parallel: another process stopped ({str(exc).splitlines()[0]})") from None
+            raise WasteError(f"expert parallel: rank {self.group.rank}, {what or 'waiting for a round'}: another "
+                             f"process stopped ({str(exc).splitlines()[0]})") from None
+        finally:
+            watch.step = None
         self.comm_seconds += time.perf_counter() - t0
+        return out
 
     def _round(self, layer, xs, ids):
         """One MoE layer across the ranks: send each rank the rows routed to its experts, compute the pairs this
@@ -275,21 +403,22 @@ class ParallelExperts:
         world, t0 = self.group.world, time.perf_counter()
         owner = None if layer is None else self.owner[layer]
         out_chunks, masks = [], []
+        host = [x if x.device.type == "cpu" else x.cpu() for x in xs]      # one copy down per sequence
         for d in range(world):
             meta = [len(xs), _DTYPES.index(xs[0].dtype) if xs else 0, xs[0].shape[-1] if xs else 0]
             idp, rows, m = [], [], []
-            for x, i in zip(xs, ids):
+            for x, i in zip(host, ids):
                 mine = owner[i] == d                      # [T, k]: the pairs rank d owns
                 sel = mine.any(1)
                 meta += [i.shape[0], int(sel.sum()), i.shape[1]]
                 idp.append(i[sel].reshape(-1))
-                rows.append(x[sel].cpu() if x.device.type != "cpu" else x[sel])
+                rows.append(x[sel])
                 m.append(mine)
             masks.append(m)
             out_chunks.append(_pack(meta, idp, rows))
         tag = IDLE if layer is None else layer
         header = torch.tensor([[tag, c.numel()] for c in out_chunks], dtype=torch.long)
-        got = self._sizes(header)
+        got = self._sizes(header, None if layer is None else f"the sizes before MoE layer {layer}")
         tags = got[:, 0].tolist()
         if STOP in tags:
             return None
@@ -299,7 +428,7 @@ class ParallelExperts:
         layer_here = max(tags)
         if layer_here < 0:
             raise RuntimeError("expert parallel: a round with no layer (no rank has rows)")
-        buf = self._bytes(out_chunks, got[:, 1].tolist())
+        buf = self._bytes(out_chunks, got[:, 1].tolist(), f"MoE layer {layer_here}'s rows out")
         # compute what the others sent, every source's sequences apart
         received, off = [], 0
         for s in range(world):
@@ -311,12 +440,13 @@ class ParallelExperts:
         h = self.bank.shapes["down"][0] if self.bank is not None else 0
         dtype = xs[0].dtype if xs else torch.float32
         esz = torch.empty(0, dtype=dtype).element_size()
-        ret = self._bytes([b.reshape(-1).view(torch.uint8) for b in back], [n * h * esz for n in back_sizes])
+        ret = self._bytes([b.reshape(-1).view(torch.uint8) for b in back], [n * h * esz for n in back_sizes],
+                          f"MoE layer {layer_here}'s pairs back")
         self.calls += 1
         self.exchange_seconds += time.perf_counter() - t0
         if layer is None:
             return []
-        pairs = [x.new_zeros(i.shape[0], i.shape[1], h) for x, i in zip(xs, ids)]
+        pairs = [x.new_zeros(i.shape[0], i.shape[1], h) for x, i in zip(host, ids)]     # on the host, then one copy up
         off = 0
         for d in range(world):
             n = back_sizes[d] * h * esz
@@ -326,9 +456,9 @@ class ParallelExperts:
             for j, mine in enumerate(masks[d]):
                 c = int(mine.sum())
                 if c:
-                    pairs[j][mine] = y[at:at + c].to(pairs[j].device)
+                    pairs[j][mine] = y[at:at + c]
                 at += c
-        return pairs
+        return [p.to(x.device) for p, x in zip(pairs, xs)]
 
     def _compute(self, layer: int, received: list) -> list[torch.Tensor]:
         """received: per source rank, [(T, rows [n, h], ids [n, k])] -> per source rank, the outputs of the pairs

@@ -192,13 +192,16 @@ class MemoryPlan:
 
 def plan_memory(container: Container, dtype: torch.dtype, context: int = 4096, ram: int | None = None,
                 budget: int | None = None, experts_per_layer: list[int] | None = None, share: int = 1,
-                prefill_chunk: int | None = None, baseline: int | None = None, vision: bool = False) -> MemoryPlan:
+                prefill_chunk: int | None = None, baseline: int | None = None, vision: bool = False,
+                trunk: bool = True) -> MemoryPlan:
     """experts_per_layer: the experts this process holds per MoE layer; share: processes sharing this machine's
     memory (expert parallel: its rank's share of the experts and of the host); prefill_chunk, baseline: as
-    plan_from_sizes; vision: the container's tower runs (waste.vision.RUNS), so the floor reserves it."""
+    plan_from_sizes; vision: the container's tower runs (waste.vision.RUNS), so the floor reserves it. trunk False:
+    a process that holds experts alone (expert parallel's ranks other than 0)."""
     ex = container.manifest["experts"]
     per_layer = experts_per_layer or [i["num_experts"] for i in ex["layers"].values()]
-    trunk = container.trunk_bytes(dtype) if hasattr(container, "trunk_bytes") else trunk_resident_bytes(container, dtype)
+    trunk = 0 if not trunk else container.trunk_bytes(dtype) if hasattr(container, "trunk_bytes") else \
+        trunk_resident_bytes(container, dtype)
     return plan_from_sizes(container.config, ex["record_bytes"], per_layer, trunk, dtype, context, ram, budget, share=share,
                            prefill_chunk=prefill_chunk, baseline=baseline,
                            vision=vision_resident_bytes(container, dtype) if vision else 0)
@@ -297,6 +300,16 @@ def plan_from_sizes(cfg: dict, record: int, experts_per_layer: list[int], trunk:
         f"set {fmt_gb(ws)}), but 3/4 of usable memory is {fmt_gb(ceiling)} ({source} {fmt_gb(usable)}). "
         f"Lower --context (now {context}), close other programs, use a machine with more memory, "
         f"or force a smaller cache with --budget SIZE (slower)")
+
+
+def expert_room(container: Container, dtype: torch.dtype, context: int, ram: int | None, share: int,
+                prefill_chunk: int | None, trunk: bool, vision: bool = False) -> int:
+    """Bytes of expert records a process can hold beside its floor under the ceiling, whatever the bank (expert
+    parallel's placement weighs the ranks by it): the plan of the whole bank with a one-record budget, which is
+    never refused."""
+    p = plan_memory(container, dtype, context, ram, container.manifest["experts"]["record_bytes"] or 1, None, share,
+                    prefill_chunk, vision=vision, trunk=trunk)
+    return p.ceiling_bytes - p.floor_bytes
 
 
 def _fit(floor: int, ws: int, bank: int, ceiling: int) -> tuple[int, int]:
