@@ -9,6 +9,7 @@ does better (docs/LEARNED.md). The vocabulary is the small synthetic one (the tr
     python benchmarks/streaming_qwen3_30b.py build --dir /tmp/q30b --limit 8G   # writes the release + container
     ../shared/tools/laptop --drop-caches 8G -- waste bench /tmp/q30b/q30b.waste -n 32 --prompt-len 16 --json
     python benchmarks/streaming_qwen3_30b.py run --dir /tmp/q30b --limit 8G --repeat 3   # does the line above
+    python benchmarks/streaming_qwen3_30b.py retrunk --dir /tmp/q30b --trunk q4   # q30b-trunk-q4.waste beside it
 
 Nothing here is a test.
 """
@@ -59,6 +60,44 @@ def build(d: Path, limit: int, experts: str) -> Path:
     return out
 
 
+def retrunk(src: Path, out: Path, trunk: str) -> Path:
+    """A copy of container src whose trunk is stored in another format, its banks symbolic links to src's (no second
+    bank on a full disk): the trunk's matrices dequantized and quantized again, so the weights are not the release's
+    own (a speed arm, not a quality one)."""
+    from waste.container import open_container
+    from waste.container.manifest import FORMAT_NAME, MANIFEST, file_table, write_manifest
+    from waste.container.trunk import TrunkWriter
+    from waste.quant.linear import QuantWeight, assemble_trunk, part_name, quantizable
+
+    if (out / MANIFEST).is_file():
+        return out
+    c, fmt = open_container(src), get_format(trunk)
+    m = json.loads((src / MANIFEST).read_text())
+    tensors = assemble_trunk(c.load_trunk(), m["trunk"])
+    mats = {n: (t.dequantize() if isinstance(t, QuantWeight) else t) for n, t in tensors.items()}
+    quantized = {n: list(t.shape) for n, t in mats.items()
+                 if (n in m["trunk"]["quantized"] or t.dtype != torch.float32) and quantizable(n, t.shape, fmt)}
+    parts = {}
+    for n, t in mats.items():
+        parts.update({part_name(n, k): v for k, v in fmt.pack(t).items()} if n in quantized else {n: t})
+    out.mkdir(parents=True)
+    tw = TrunkWriter(str(out / m["trunk"]["file"]), {n: (t.dtype, list(t.shape)) for n, t in parts.items()},
+                     {"format": FORMAT_NAME, "trunk_format": fmt.name})
+    for n, t in parts.items():
+        tw.write(n, t)
+    tw.close()
+    for p in src.rglob("*"):
+        if p.is_file() and p.name not in (MANIFEST, m["trunk"]["file"]):
+            (out / p.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            (out / p.relative_to(src)).symlink_to(p.resolve())
+    m["trunk"] = {**m["trunk"], "format": fmt.name, "bytes": tw.bytes, "crc32": tw.crc32, "quantized": quantized,
+                  "f32_tensors": sorted(n for n, t in parts.items() if t.dtype == torch.float32 and n in mats)}
+    m["provenance"] = {**m["provenance"], "retrunk": f"{src} (trunk {c.manifest['trunk']['format']} -> {fmt.name})"}
+    m["files"] = file_table(out, m)
+    write_manifest(out, m)
+    return out
+
+
 def run(d: Path, limit: str, repeat: int, n: int, prompt_len: int, feed: str = "greedy",
         routing: str = "model") -> list[dict]:
     results = []
@@ -84,11 +123,12 @@ def run(d: Path, limit: str, repeat: int, n: int, prompt_len: int, feed: str = "
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["build", "run"])
+    ap.add_argument("what", choices=["build", "run", "retrunk"])
     ap.add_argument("--dir", default="/tmp/q30b")
     ap.add_argument("--limit", default="8G")
     ap.add_argument("--experts", default="q4", help="the expert format the bank is built in (its size sets the "
                     "layer count: a bank of 2x the limit)")
+    ap.add_argument("--trunk", default="q4", help="retrunk: the trunk format of the copy")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -102,6 +142,8 @@ def main():
     d.mkdir(parents=True, exist_ok=True)
     if a.what == "build":
         print(build(d, parse_size(a.limit), a.experts))
+    elif a.what == "retrunk":
+        print(retrunk(d / "q30b.waste", d / f"q30b-trunk-{a.trunk}.waste", a.trunk))
     else:
         res = run(d, a.limit, a.repeat, a.n, a.prompt_len, a.feed, a.routing)
         (d / "results.json").write_text(json.dumps(res, indent=1))

@@ -50,3 +50,24 @@ def test_rms_rows_match_torch_and_a_rows_bits_do_not_depend_on_the_batch():
             buf[i:i + h] = x[i]
             assert torch.equal(norm_cpu.rms_rows(buf[i:i + h].view(1, h), w, 1e-6), got[i:i + 1])
     assert norm_cpu.rms_rows(torch.randn(2, 3, 8), torch.ones(8), 1e-6).shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize("shape", [(5120, 2048), (130, 70), (6, 64), (3, 16)])
+def test_q8_decode_row_is_the_float32_product_at_any_thread_count(shape, threads):
+    """A float32 decode row of a q8 matrix (a trunk row) reads the int8 codes in place (quant/q8_numba.py) instead of
+    widening the whole matrix at every call; its bits do not depend on the thread count."""
+    from waste.quant.linear import QuantWeight, linear
+
+    fmt, g = get_format("q8"), torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g) / shape[1] ** 0.5
+    qw = QuantWeight(fmt, fmt.pack(w), shape)
+    assert qw.row_kernel() is not None
+    x = torch.randn(1, shape[1], generator=g)
+    got = {}
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        got[n] = linear(x, qw)
+        assert torch.get_num_threads() == n
+    ref = x.double() @ qw.dequantize(torch.float64).T
+    assert ((got[1].double() - ref).norm() / ref.norm()).item() < 1e-6
+    assert torch.equal(got[1], got[2])

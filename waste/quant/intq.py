@@ -54,6 +54,13 @@ class Q8(Format):
     def unpack(self, parts, shape, dtype):
         return (parts["q"].view(shape).float() * parts["scale"].float()[:, None]).to(dtype)
 
+    def row_kernel(self, parts, shape):
+        """numba's q8 decode row (quant/q8_numba.py): the codes read in place, not widened to float32 at every call."""
+        q, s = parts["q"], parts["scale"]
+        if q.device.type != "cpu" or not (q.is_contiguous() and s.is_contiguous()) or s.dtype != torch.float32:
+            return None
+        return _q8_numba().RowKernel(parts, shape)
+
     def linear(self, x, parts, shape):
         if x.dtype == torch.float32:
             # torch's float32 int8 path is 14-700x slower than its bf16 one, and rounding x to bf16 would add as much
@@ -71,6 +78,13 @@ def group_for(K: int, group: int) -> int:
     while g > 1 and K % g:
         g //= 2
     return g
+
+
+@functools.lru_cache(maxsize=1)
+def _q8_numba():
+    from . import q8_numba      # imports numba: only when a CPU decode row first needs it
+
+    return q8_numba
 
 
 @functools.lru_cache(maxsize=1)
