@@ -36,3 +36,18 @@ def follow_torch_threads() -> None:
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+
+
+def row_call(parallel_kernel, serial_kernel, parallel: bool, x: torch.Tensor, n_out: int, args: tuple) -> torch.Tensor:
+    """One float32 decode row through a numba matvec kernel pair (kernel(x address, *args, out row)): the parallel one
+    on torch's thread count where the matrix is worth a launch, else the serial one. -> [1, n_out] float32."""
+    import numpy as np
+
+    x = x if x.is_contiguous() else x.contiguous()
+    out = np.empty((1, n_out), np.float32)
+    if parallel:
+        follow_torch_threads()
+        parallel_kernel(x.data_ptr(), *args, out[0])
+    else:
+        serial_kernel(x.data_ptr(), *args, out[0])
+    return torch.from_numpy(out)

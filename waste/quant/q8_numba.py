@@ -11,7 +11,7 @@ import numba
 import numpy as np
 import torch
 
-from ..numba_ptr import at, follow_torch_threads
+from ..numba_ptr import at, row_call
 
 ROWS = 4        # output rows per pass over x: x is loaded once for four rows of codes
 
@@ -68,11 +68,4 @@ class RowKernel:
         self.parallel = N * K >= PARALLEL_MIN
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x if x.is_contiguous() else x.contiguous()
-        out = np.empty((1, self.N), np.float32)
-        if self.parallel:
-            follow_torch_threads()
-            q8_row(x.data_ptr(), *self.args, out[0])
-        else:
-            q8_row_serial(x.data_ptr(), *self.args, out[0])
-        return torch.from_numpy(out)
+        return row_call(q8_row, q8_row_serial, self.parallel, x, self.N, self.args)
