@@ -2,7 +2,7 @@
 
 q8:  parts `q` int8 [N, K], `scale` float32 [N];  W[n, k] = q[n, k] * scale[n].
      Matmul: torch._weight_int8pack_mm for bfloat16/float16 x; a float32 x meets the codes as float32 in F.linear,
-     the scales applied to its output.
+     the scales applied to its output; a float32 decode row on the CPU goes through q8_numba.py (row_kernel).
 q4:  parts `q` uint8 [N, K/2] (nibbles in int4pack.py's layout), `sz` bfloat16 [K/g, N, 2] (scale, zero);
      W[n, k] = (q[n, k] - 8) * sz[k // g, n, 0] + sz[k // g, n, 1]. The group g is the part shapes' K / (K/g),
      so one reader serves every group size. Matmul: torch._weight_int4pack_mm_for_cpu when the shape suits
