@@ -152,9 +152,9 @@ class ExpertCache:
         out = [self.free.pop() for _ in range(min(n, len(self.free)))]
         if len(out) < n:
             held = self._held.copy()        # a mask, not a loop over every slot: this runs before a layer's reads start
-            out_ = list(pinned) + [self.slot_of[k] for k in self.loading if k in self.slot_of]
-            if out_:
-                held[out_] = False
+            keep = list(pinned) + [self.slot_of[k] for k in self.loading if k in self.slot_of]   # and reading
+            if keep:
+                held[keep] = False
             cand = np.flatnonzero(held)
             need = n - len(out)
             if len(cand) < need:
