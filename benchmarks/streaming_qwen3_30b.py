@@ -9,6 +9,9 @@ does better (docs/LEARNED.md). The vocabulary is the small synthetic one (the tr
     python benchmarks/streaming_qwen3_30b.py build --dir /tmp/q30b --limit 8G   # writes the release + container
     ../shared/tools/laptop --drop-caches 8G -- waste bench /tmp/q30b/q30b.waste -n 32 --prompt-len 16 --json
     python benchmarks/streaming_qwen3_30b.py run --dir /tmp/q30b --limit 8G --repeat 3   # does the line above
+    python benchmarks/streaming_qwen3_30b.py retrunk --dir /tmp/q30b --trunk q4   # q30b-trunk-q4.waste beside it
+    python benchmarks/streaming_qwen3_30b.py run --dir /tmp/q30b --limit 8G --arm bf16:"--dtype bfloat16" \
+        --arm f32:"--dtype float32" --arm q4t@/tmp/q30b/q30b-trunk-q4.waste:"--dtype float32"   # arms interleaved
 
 Nothing here is a test.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -59,36 +63,91 @@ def build(d: Path, limit: int, experts: str) -> Path:
     return out
 
 
+def retrunk(src: Path, out: Path, trunk: str) -> Path:
+    """A copy of container src whose trunk is stored in another format, its banks symbolic links to src's (no second
+    bank on a full disk): the trunk's matrices dequantized and quantized again, so the weights are not the release's
+    own (a speed arm, not a quality one)."""
+    from waste.container import open_container
+    from waste.container.manifest import FORMAT_NAME, MANIFEST, file_table, write_manifest
+    from waste.container.trunk import TrunkWriter
+    from waste.quant.linear import QuantWeight, assemble_trunk, part_name, quantizable
+
+    if (out / MANIFEST).is_file():
+        return out
+    c, fmt = open_container(src), get_format(trunk)
+    m = json.loads((src / MANIFEST).read_text())
+    tensors = assemble_trunk(c.load_trunk(), m["trunk"])
+    mats = {n: (t.dequantize() if isinstance(t, QuantWeight) else t) for n, t in tensors.items()}
+    quantized = {n: list(t.shape) for n, t in mats.items()
+                 if (n in m["trunk"]["quantized"] or t.dtype != torch.float32) and quantizable(n, t.shape, fmt)}
+    parts = {}
+    for n, t in mats.items():
+        parts.update({part_name(n, k): v for k, v in fmt.pack(t).items()} if n in quantized else {n: t})
+    out.mkdir(parents=True)
+    tw = TrunkWriter(str(out / m["trunk"]["file"]), {n: (t.dtype, list(t.shape)) for n, t in parts.items()},
+                     {"format": FORMAT_NAME, "trunk_format": fmt.name})
+    for n, t in parts.items():
+        tw.write(n, t)
+    tw.close()
+    for p in src.rglob("*"):
+        if p.is_file() and p.name not in (MANIFEST, m["trunk"]["file"]):
+            (out / p.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            (out / p.relative_to(src)).symlink_to(p.resolve())
+    m["trunk"] = {**m["trunk"], "format": fmt.name, "bytes": tw.bytes, "crc32": tw.crc32, "quantized": quantized,
+                  "f32_tensors": sorted(n for n, t in parts.items() if t.dtype == torch.float32 and n in mats)}
+    m["provenance"] = {**m["provenance"], "retrunk": f"{src} (trunk {c.manifest['trunk']['format']} -> {fmt.name})"}
+    m["files"] = file_table(out, m)
+    write_manifest(out, m)
+    return out
+
+
 def run(d: Path, limit: str, repeat: int, n: int, prompt_len: int, feed: str = "greedy",
-        routing: str = "model") -> list[dict]:
-    results = []
+        routing: str = "model", arms: list[str] | None = None) -> dict[str, list[dict]]:
+    """Each arm (NAME[@CONTAINER]:FLAGS, extra `waste bench` flags; CONTAINER defaults to DIR/q30b.waste) run cold
+    in its own process under laptop --drop-caches, the arms interleaved (repeat r of every arm before r + 1)."""
+    arms = arms or ["default:"]
+    results: dict[str, list[dict]] = {}
     for _ in range(repeat):
-        cmd = [str(SHARED / "tools" / "laptop"), "--drop-caches", limit, "--", sys.executable, "-m", "waste", "bench",
-               str(d / "q30b.waste"), "-n", str(n), "--prompt-len", str(prompt_len), "--feed", feed, "--routing", routing, "--json"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise SystemExit(f"bench failed ({p.returncode}): {p.stderr[-2000:]}")
-        r = json.loads(p.stdout)
-        r["laptop"] = p.stderr.strip().splitlines()[-1]
-        results.append(r)
-        dec = r["decode"]
-        print(f"decode {dec['tok_per_s']:.3f} tok/s, hit {100 * dec['hit_rate']:.1f}%, read {dec['bytes_read'] / 1e9:.2f} GB "
-              f"at {dec['read_gb_per_s']:.2f} GB/s; I/O bound {dec['io_bound_tok_per_s'] or 0:.3f} tok/s; "
-              f"disk {r['disk_bandwidth_gb_per_s']:.2f} GB/s | {r['laptop']}", flush=True)
-    tps = [r["decode"]["tok_per_s"] for r in results]
-    bound = [r["decode"]["io_bound_tok_per_s"] or 0 for r in results]
-    print(f"median decode {statistics.median(tps):.3f} tok/s (range {min(tps):.3f}-{max(tps):.3f}); "
-          f"median ratio to the I/O bound {statistics.median(t / b for t, b in zip(tps, bound) if b):.2f}")
+        for arm in arms:
+            head, _, flags = arm.partition(":")
+            name, _, model = head.partition("@")
+            cmd = [str(SHARED / "tools" / "laptop"), "--drop-caches", limit, "--", sys.executable, "-m", "waste",
+                   "bench", model or str(d / "q30b.waste"), "-n", str(n), "--prompt-len", str(prompt_len), "--feed",
+                   feed, "--routing", routing, "--json", "--profile", *shlex.split(flags)]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                raise SystemExit(f"bench failed ({p.returncode}): {p.stderr[-2000:]}")
+            r = json.loads(p.stdout)
+            r["laptop"] = p.stderr.strip().splitlines()[-1]
+            r["load"] = float(open("/proc/loadavg").read().split()[0])
+            results.setdefault(name, []).append(r)
+            dec, ms = r["decode"], r["profile"]["ms_per_token"]
+            print(f"{name:<10} {r['dtype'][6:]:<8} decode {dec['tok_per_s']:.3f} tok/s, hit {100 * dec['hit_rate']:.1f}%, "
+                  f"read {dec['bytes_read'] / 1e9:.2f} GB; I/O bound {dec['io_bound_tok_per_s'] or 0:.3f} tok/s (disk "
+                  f"{r['disk_bandwidth_gb_per_s']:.2f} GB/s); disk busy {100 * dec['disk_busy_share']:.0f}% of the step "
+                  f"({dec['bytes_read'] / max(dec['disk_busy_seconds'], 1e-9) / 1e9:.2f} GB/s while busy); ms/token "
+                  f"attention {ms['attention']:.1f} experts {ms['expert compute']:.1f} wait {ms['expert wait']:.1f} "
+                  f"CPU {1e3 * dec['cpu_seconds'] / dec['tokens']:.0f}; load {r['load']:.1f} | {r['laptop']}", flush=True)
+    for name, rs in results.items():
+        tps = [r["decode"]["tok_per_s"] for r in rs]
+        of = [r["decode"]["tok_per_s"] / r["decode"]["io_bound_tok_per_s"] for r in rs if r["decode"]["io_bound_tok_per_s"]]
+        busy = [r["decode"]["disk_busy_share"] for r in rs]
+        print(f"{name:<10} median decode {statistics.median(tps):.3f} tok/s ({min(tps):.3f}-{max(tps):.3f}); of the "
+              f"I/O bound {100 * statistics.median(of):.0f}% ({100 * min(of):.0f}-{100 * max(of):.0f}%); disk busy "
+              f"{100 * statistics.median(busy):.0f}% ({100 * min(busy):.0f}-{100 * max(busy):.0f}%)")
     return results
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["build", "run"])
+    ap.add_argument("what", choices=["build", "run", "retrunk"])
     ap.add_argument("--dir", default="/tmp/q30b")
     ap.add_argument("--limit", default="8G")
     ap.add_argument("--experts", default="q4", help="the expert format the bank is built in (its size sets the "
                     "layer count: a bank of 2x the limit)")
+    ap.add_argument("--trunk", default="q4", help="retrunk: the trunk format of the copy")
+    ap.add_argument("--arm", action="append", help="run: NAME[@CONTAINER]:FLAGS (extra waste bench flags), repeatable; "
+                    "the arms interleaved")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -102,8 +161,10 @@ def main():
     d.mkdir(parents=True, exist_ok=True)
     if a.what == "build":
         print(build(d, parse_size(a.limit), a.experts))
+    elif a.what == "retrunk":
+        print(retrunk(d / "q30b.waste", d / f"q30b-trunk-{a.trunk}.waste", a.trunk))
     else:
-        res = run(d, a.limit, a.repeat, a.n, a.prompt_len, a.feed, a.routing)
+        res = run(d, a.limit, a.repeat, a.n, a.prompt_len, a.feed, a.routing, a.arm)
         (d / "results.json").write_text(json.dumps(res, indent=1))
 
 

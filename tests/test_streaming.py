@@ -132,6 +132,9 @@ def test_plan_and_bench_cli(releases):
     assert b["decode"]["tokens"] == 4 and b["disk_bandwidth_gb_per_s"] > 0
     assert b["plan_bytes"] > b["budget_bytes"] == 2 * d["working_set_bytes"] and b["peak_rss_bytes"] > 0
     assert b["decode"]["bytes_read"] == b["decode"]["misses"] * b["record_bytes"]
+    d = b["decode"]       # the disk's busy time: some while records were read, never more than the phase itself
+    assert d["misses"] > 0 and 0 < d["disk_busy_seconds"] <= d["seconds"]
+    assert d["disk_busy_share"] == d["disk_busy_seconds"] / d["seconds"]
 
 
 def test_bench_with_random_tokens_and_uniform_routing(releases):

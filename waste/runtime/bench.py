@@ -50,7 +50,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
     def counters():
         s = cache.stats
         return (s.hits, s.misses, s.bytes_read, s.read_seconds, s.prefetch_bytes, s.predicted, s.predicted_right,
-                s.predicted_needed, s.wait_seconds)
+                s.predicted_needed, s.wait_seconds, s.disk_busy_seconds)
 
     if routing == "uniform" and getattr(model, "moe", None):
         model.router = _uniform_router(model)         # taken away below
@@ -105,7 +105,7 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
     rec = cache.record_bytes
 
     def phase(a, b, seconds, tokens, cpu):
-        hits, misses, nbytes, rsec, pbytes, pred, right, needed, waited = (y - x for x, y in zip(a, b))
+        hits, misses, nbytes, rsec, pbytes, pred, right, needed, waited, busy = (y - x for x, y in zip(a, b))
         # the bound counts every record read, the prefetch's included (a prefetched expert is then a hit)
         bound = (misses * rec + pbytes) / bw if bw else 0.0
         return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds if seconds else 0.0,
@@ -114,6 +114,9 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
                 "prefetch_bytes": pbytes, "prefetch_precision": right / pred if pred else None,
                 "prefetch_recall": right / needed if needed else None,
                 "cpu_seconds": cpu, "wait_seconds": waited,     # blocked on this phase's reads (wall time)
+                # the share of the phase with a read in flight: its fraction of the I/O bound at the rate the disk
+                # gave this run (the bound above uses a separate one-second measurement, which swings with the disk)
+                "disk_busy_seconds": busy, "disk_busy_share": busy / seconds if seconds else 0.0,
                 "io_bound_seconds": bound, "io_bound_tok_per_s": tokens / bound if bound else None}
 
     plan = engine.plan
@@ -158,7 +161,8 @@ def report_lines(r: dict) -> list[str]:
                  if p["io_bound_tok_per_s"] else "I/O bound: none (no misses)")
         out.append(f"{name:<12} {p['tokens']} tok in {p['seconds']:.2f} s = {p['tok_per_s']:.2f} tok/s | "
                    f"hit {100 * p['hit_rate']:.1f}% ({p['hits']} hit / {p['misses']} miss) | read "
-                   f"{fmt_bytes(p['bytes_read'])} at {p['read_gb_per_s']:.2f} GB/s | {bound}")
+                   f"{fmt_bytes(p['bytes_read'])} at {p['read_gb_per_s']:.2f} GB/s | {bound}"
+                   + (f" | disk busy {100 * p['disk_busy_share']:.0f}% of it" if p["disk_busy_seconds"] else ""))
         if p["prefetch_precision"] is not None:
             out.append(f"{'':<12} prefetch read {fmt_bytes(p['prefetch_bytes'])}; next-layer prediction precision "
                        f"{100 * p['prefetch_precision']:.1f}%, recall {100 * p['prefetch_recall']:.1f}%")

@@ -89,6 +89,7 @@ class ExpertCache:
         self._dev_map: torch.Tensor | None = None      # device_map()
         self.slot_of: dict[tuple[int, int], int] = {}
         self.key_of: list[tuple[int, int] | None] = [None] * self.n_slots
+        self._held = np.zeros(self.n_slots, dtype=bool)     # key_of[s] is not None, as a mask (_take_slots)
         self.free = list(range(self.n_slots - 1, -1, -1))
         if half_life is None:   # measured (docs/LEARNED.md §3): LFRU wins from 1.5 working sets up, LRU below
             ws_records = ((cfg.get("moe") or {}).get("top_k") or 1) * max(len(self.banks), 1)
@@ -108,6 +109,7 @@ class ExpertCache:
         self.lock = threading.Lock()
         self.loading: dict[tuple[int, int], Future] = {}
         self.stats = ExpertStats()
+        self._flight_lock, self._in_flight, self._busy_since = threading.Lock(), 0, 0.0
         self.fill_bytes = 0
         self.damage: BaseException | None = None
         self.prefetch = prefetch             # the model predicts the next MoE layer's experts and calls ahead()
@@ -149,9 +151,11 @@ class ExpertCache:
         """n slots for new records: free ones first, then the lowest-scoring unpinned residents."""
         out = [self.free.pop() for _ in range(min(n, len(self.free)))]
         if len(out) < n:
-            busy = {self.slot_of[k] for k in self.loading if k in self.slot_of}
-            cand = np.array([s for s in range(self.n_slots)
-                             if s not in pinned and s not in busy and self.key_of[s] is not None])
+            held = self._held.copy()        # a mask, not a loop over every slot: this runs before a layer's reads start
+            keep = list(pinned) + [self.slot_of[k] for k in self.loading if k in self.slot_of]   # and reading
+            if keep:
+                held[keep] = False
+            cand = np.flatnonzero(held)
             need = n - len(out)
             if len(cand) < need:
                 raise WasteError("the expert budget is too small for one layer's experts at once: raise --budget")
@@ -172,7 +176,17 @@ class ExpertCache:
     def _read(self, key, slot) -> float:
         if self.tier is not None:      # the slot's old record may still be on its way up
             self.tier.sync()
-        dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
+        with self._flight_lock:        # the disk's busy time: from the first read in flight to the last one landing
+            if not self._in_flight:
+                self._busy_since = time.perf_counter()
+            self._in_flight += 1
+        try:
+            dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
+        finally:
+            with self._flight_lock:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self.stats.disk_busy_seconds += time.perf_counter() - self._busy_since
         if self.repack and self.device.type == "cpu":   # this torch's CPU kernel wants another layout (q4 off AVX-512)
             prepare_record(self._slot_parts(slot), self.fmt, self.shapes)
         if self.dev_slab is not None:
@@ -445,11 +459,13 @@ class ExpertCache:
 
     def _assign(self, key, slot: int) -> None:
         self.slot_of[key], self.key_of[slot] = slot, key
+        self._held[slot] = True
         self.slot_map[key[0], key[1]] = slot
 
     def _unassign(self, key) -> None:
         slot = self.slot_of.pop(key)
         self.key_of[slot] = None
+        self._held[slot] = False
         self.slot_map[key[0], key[1]] = -1
 
     # -- lifecycle ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ class ExpertStats:
     evictions: int = 0
     per_layer: dict = field(default_factory=dict)
     wait_seconds: float = 0.0       # compute waiting for reads (the profile's "expert wait")
+    disk_busy_seconds: float = 0.0  # wall time with at least one record read in flight (any kind, its check included)
     # next-layer prefetch: reads and evictions it made (apart from the demand misses above), and its prediction
     # against what the layer then needed: precision = right / predicted, recall = right / needed
     prefetch_reads: int = 0

@@ -72,6 +72,8 @@ class GeneratedExperts(ExpertCache):
         self.tier, self.tier_prefetch, self._tier_next = None, False, None       # no VRAM tier: all in the slab
         self._dirty, self._dev_map, self._parts_of_slot = set(), None, {}
         self.slot_of, self.key_of, self.free = {}, [None] * self.n_slots, []
+        self._held = torch.zeros(self.n_slots, dtype=torch.bool).numpy()     # ExpertCache._take_slots's mask
+        self._flight_lock, self._in_flight, self._busy_since = threading.Lock(), 0, 0.0   # (no reads: never busy)
         self.slot_map = torch.full((max(layers, default=-1) + 1, max(layers.values(), default=0)), -1, dtype=torch.long)
         self.layer_slots = list(self.slot_map)
         self.half_life, self.policy, self.step = 0.0, LFRU(self.n_slots, 0.0), 1.0 / max(len(layers), 1)
