@@ -1,0 +1,148 @@
+"""q4 matrices times many rows in numba (prefill): a block of 64 weight rows is dequantized once into a small float32
+tile and applied to every row that needs it, instead of torch's int4 kernel called matrix by matrix (expert by
+expert at prefill: 296 calls of ~26 us in a 128-token prefill of the bundled model, docs/LEARNED.md §10c).
+
+Bits: no fast-math anywhere; the multiply-adds are explicit fused ones (`fma`), so each output element is the one
+IEEE result of one written order (k ascending over the whole row) whatever LLVM vectorises, whichever thread runs
+it and whatever other rows share the call. A row's result therefore does not depend on the thread count, on the
+rows beside it (batch, chunk, budget group) or on how tasks are split. The dequantized tile is exactly the format's
+own unpack ((q - 8) * scale + zero, two roundings), so the product is the float32 product with the unpacked matrix
+up to the order of its sums.
+
+Module-level functions (numba's on-disk cache keeps them); importing this module imports numba: import it lazily.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+from ..numba_ptr import at
+from .int4pack import BLOCK
+from .q4_numba import bf16
+
+f32 = np.float32
+
+
+@intrinsic
+def fma(typingctx, a, b, c):           # a * b + c rounded once (llvm.fma: vectorises; never contracted otherwise)
+    def codegen(context, builder, sig, args):
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+        return builder.call(fn, args)
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def wide(typingctx):
+    """Lets LLVM vectorise the calling function 512 bits wide: its cost model for this CPU family prefers 256-bit
+    vectors (ymm: half the multiply-adds per instruction); the function attribute overrides that preference."""
+    def codegen(context, builder, sig, args):
+        for a in ('"prefer-vector-width"="512"',):
+            set.add(builder.function.attributes, a)     # (not in llvmlite's known list)
+        return context.get_constant(types.int64, 0)
+    return types.int64(), codegen
+
+
+@numba.njit(inline="always")
+def scales(szs, N, n0, hb, full, g, s, z):
+    """s[jj], z[jj]: the scale and zero of group g for tile column jj (byte j's low nibble -> jj = j, its high one
+    -> jj = hb + j; a full block's rows are n0 + jj, a tail block's n0 + 2j and n0 + 2j + 1)."""
+    for jj in range(2 * hb):
+        n = n0 + (jj if full else (2 * jj if jj < hb else 2 * (jj - hb) + 1))
+        zi = (g * N + n) * 2
+        s[jj] = bf16(szs[zi])
+        z[jj] = bf16(szs[zi + 1])
+
+
+@numba.njit(inline="always")
+def tile(q, base, hb, gs, g, s, z, w):
+    """w[kk, jj] = (q - 8) * s[jj] + z[jj] (the format's unpack, bit for bit) for column g * gs + kk."""
+    for kk in range(gs):
+        k = g * gs + kk
+        col = q[base + k * hb:base + k * hb + hb]
+        wk = w[kk]
+        for j in range(hb):
+            c = col[j]
+            wk[j] = (f32(np.int32(c & np.uint8(15))) - f32(8.0)) * s[j] + z[j]
+            wk[hb + j] = (f32(np.int32(c >> np.uint8(4))) - f32(8.0)) * s[hb + j] + z[hb + j]
+
+
+@numba.njit(inline="always")
+def acc_rows(w, gs, nb, X, xi, nr, g, accs):
+    """accs[r, jj] += sum over this group's columns (ascending) of w[kk, jj] * X[xi[r], g * gs + kk], four rows at
+    a time sharing the tile's loads (each row's sums its own, in one written order; nr % 4 == 0)."""
+    k0 = g * gs
+    n4 = gs // 4 * 4
+    for r in range(0, nr, 4):
+        xa, xb, xc, xd = X[xi[r]], X[xi[r + 1]], X[xi[r + 2]], X[xi[r + 3]]
+        for kk in range(0, n4, 4):
+            k = k0 + kk
+            a0, a1, a2, a3 = xa[k], xa[k + 1], xa[k + 2], xa[k + 3]
+            b0, b1, b2, b3 = xb[k], xb[k + 1], xb[k + 2], xb[k + 3]
+            c0, c1, c2, c3 = xc[k], xc[k + 1], xc[k + 2], xc[k + 3]
+            d0, d1, d2, d3 = xd[k], xd[k + 1], xd[k + 2], xd[k + 3]
+            for jj in range(nb):
+                v0, v1, v2, v3 = w[kk, jj], w[kk + 1, jj], w[kk + 2, jj], w[kk + 3, jj]
+                accs[r, jj] = fma(v3, a3, fma(v2, a2, fma(v1, a1, fma(v0, a0, accs[r, jj]))))
+                accs[r + 1, jj] = fma(v3, b3, fma(v2, b2, fma(v1, b1, fma(v0, b0, accs[r + 1, jj]))))
+                accs[r + 2, jj] = fma(v3, c3, fma(v2, c2, fma(v1, c1, fma(v0, c0, accs[r + 2, jj]))))
+                accs[r + 3, jj] = fma(v3, d3, fma(v2, d2, fma(v1, d1, fma(v0, d0, accs[r + 3, jj]))))
+        for kk in range(n4, gs):
+            for i in range(4):
+                xk = X[xi[r + i], k0 + kk]
+                for jj in range(nb):
+                    accs[r + i, jj] = fma(w[kk, jj], xk, accs[r + i, jj])
+
+
+@numba.njit
+def block_rows(q, o, szs, G, N, K, b, X, xi, nr, Y, yi, w, s, z, accs):
+    """Y[yi[r], block b's rows] = W[block b] @ X[xi[r]] for r < nr of one q4 matrix W [N, K] (nibbles from q[o],
+    bf16 scale/zero pairs szs [G, N, 2]); xi holds nr rounded up to 4 entries (the extra rows computed, not kept).
+    Scratch: w [K / G, 64], s and z [64], accs [len(xi), 64]."""
+    wide()
+    nfull = N // BLOCK
+    nb = BLOCK if b < nfull else N - nfull * BLOCK
+    hb = nb // 2
+    n0 = b * BLOCK
+    gs = K // G
+    base = o + n0 * K // 2
+    nr4 = (nr + 3) // 4 * 4
+    for r in range(nr4):
+        for jj in range(nb):
+            accs[r, jj] = 0.0
+    for g in range(G):
+        scales(szs, N, n0, hb, nb == BLOCK, g, s, z)
+        if nb == BLOCK:          # constant trip counts: LLVM vectorises them 16 wide (a bounded unknown one, 8 wide)
+            tile(q, base, BLOCK // 2, gs, g, s, z, w)
+            acc_rows(w, gs, BLOCK, X, xi, nr4, g, accs)
+        else:
+            tile(q, base, hb, gs, g, s, z, w)
+            acc_rows(w, gs, nb, X, xi, nr4, g, accs)
+    for r in range(nr):
+        y = Y[yi[r]]
+        for jj in range(nb):
+            y[n0 + (jj if nb == BLOCK else (2 * jj if jj < hb else 2 * (jj - hb) + 1))] = accs[r, jj]
+
+
+@numba.njit(cache=True, parallel=True)
+def matmul_rows(x_p, R, q_p, sz_p, N, K, G, RB, y):
+    """y [R, N] = X [R, K] @ W.T for one q4 matrix: tasks of (block, RB rows) spread over the threads."""
+    X = at(x_p, (R, K), np.float32)
+    q, szs = at(q_p, (N * K // 2,), np.uint8), at(sz_p, (G * N * 2,), np.uint16)
+    nblk = (N + BLOCK - 1) // BLOCK
+    nrb = (R + RB - 1) // RB
+    for t in numba.prange(nblk * nrb):
+        b, rb = t // nrb, t % nrb
+        r0, r1 = rb * RB, min(R, rb * RB + RB)
+        nr = r1 - r0
+        xi = np.empty((nr + 3) // 4 * 4, np.int64)
+        for i in range(xi.shape[0]):
+            xi[i] = min(r0 + i, r1 - 1)
+        gs = K // G
+        w = np.empty((gs, BLOCK), np.float32)
+        s, z = np.empty(BLOCK, np.float32), np.empty(BLOCK, np.float32)
+        accs = np.empty((xi.shape[0], BLOCK), np.float32)
+        block_rows(q, 0, szs, G, N, K, b, X, xi, nr, y, xi, w, s, z, accs)
