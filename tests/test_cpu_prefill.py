@@ -95,3 +95,16 @@ def test_grouped_q4_pairs_match_the_unpacked_experts_and_keep_their_bits(h, inte
     held = torch.where(slots % 2 == 0, slots, -1)
     part = expert_pairs(x, held, bank, kernel, complete=False)
     assert torch.equal(part[held >= 0], got[1][held >= 0]) and not part[held < 0].any()
+
+
+@pytest.mark.parametrize("shape", [(320, 320), (96, 320), (80, 64)])
+def test_q4_prefill_rows_are_the_unpacked_float32_product(shape):
+    """Q4.linear of float32 rows above one: the matrix unpacked exactly, then one sgemm (no bf16 rounding of x)."""
+    fmt, g = get_format("q4"), torch.Generator().manual_seed(2)
+    w = torch.randn(shape, generator=g) / shape[1] ** 0.5
+    parts = fmt.pack(w)
+    d = fmt.unpack(parts, shape, torch.float64)
+    for T in (2, 7, 128):
+        x = torch.randn(T, shape[1], generator=g)
+        ref = x.double() @ d.T
+        assert ((fmt.linear(x, parts, shape).double() - ref).norm() / ref.norm()).item() < 1e-6

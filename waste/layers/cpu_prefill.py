@@ -24,6 +24,10 @@ from .cpu_kernels import act
 from .moe_cpu import _flat
 
 RB = 32           # rows per task: an expert with more rows is split (the tile is dequantized once per task)
+# records whose matrices have more weights than this stay on torch's int4 kernel, expert by expert: at the 30B
+# shape (768 x 2048) that measured faster (LEARNED §10c: 608 ms a 128-token prefill against 832 through here),
+# at the bundled model's (96 x 320) this call is (18.1 ms against 20.8)
+MAX_WEIGHTS = 1 << 18
 
 
 @numba.njit(inline="always")
@@ -71,6 +75,8 @@ def pairs_q4_rows(x_p, T, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, 
         for a in range(start[s], start[s + 1], RB):
             tasks[t, 0], tasks[t, 1], tasks[t, 2] = s, a, min(a + RB, start[s + 1])
             t += 1
+    big = np.argsort(-(tasks[:, 2] - tasks[:, 1]), kind="mergesort")   # the largest tasks first, then dealt
+    tasks = tasks[big]                                                   # out one at a time (dynamic chunks of 1)
     H, U = np.empty((P, inter), np.float32), np.empty((P, inter), np.float32)
     nbi, nbh = (inter + BLOCK - 1) // BLOCK, (h + BLOCK - 1) // BLOCK
     for i in numba.prange(nt * nbi):             # gate and up of one block of rows, then SwiGLU on it
@@ -106,8 +112,12 @@ class GroupedRows:
         x = x if x.is_contiguous() else x.contiguous()
         slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
         follow_torch_threads()
-        pairs_q4_rows(x.data_ptr(), T, h, slots.data_ptr(), k, *self.arrays, self.os, self.groups, self.inter,
-                      self.limit, out.reshape(T * k, h))
+        old = numba.set_parallel_chunksize(1)        # tasks of unequal size: dealt one at a time, not in halves
+        try:
+            pairs_q4_rows(x.data_ptr(), T, h, slots.data_ptr(), k, *self.arrays, self.os, self.groups, self.inter,
+                          self.limit, out.reshape(T * k, h))
+        finally:
+            numba.set_parallel_chunksize(old)
         return torch.from_numpy(out)
 
 
@@ -116,5 +126,6 @@ def usable(bank) -> bool:
     int4 operand differs has the records repacked in their slots: runtime/cache.py)."""
     from . import moe_cpu
 
-    return (bank.fmt.kind == "q4" and not bank.fmt.needs_prepare() and moe_cpu.usable(bank)
+    (N, K) = bank.shapes["gate"]
+    return (bank.fmt.kind == "q4" and not bank.fmt.needs_prepare() and moe_cpu.usable(bank) and N * K <= MAX_WEIGHTS
             and bank.parts["gate"]["q"].device.type == "cpu")

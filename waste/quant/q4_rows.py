@@ -13,13 +13,16 @@ Module-level functions (numba's on-disk cache keeps them); importing this module
 """
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from ..numba_ptr import at
+from ..numba_ptr import at, follow_torch_threads
 from .int4pack import BLOCK
 from .q4_numba import bf16
 
@@ -115,9 +118,13 @@ def block_rows(q, o, szs, G, N, K, b, X, xi, nr, Y, yi, w, s, z, accs):
             accs[r, jj] = 0.0
     for g in range(G):
         scales(szs, N, n0, hb, nb == BLOCK, g, s, z)
-        if nb == BLOCK:          # constant trip counts: LLVM vectorises them 16 wide (a bounded unknown one, 8 wide)
+        # constant trip counts: LLVM vectorises them 16 wide (a bounded unknown one 8 wide, and its tile 3x slower)
+        if nb == BLOCK:
             tile(q, base, BLOCK // 2, gs, g, s, z, w)
             acc_rows(w, gs, BLOCK, X, xi, nr4, g, accs)
+        elif nb == BLOCK // 2:   # the tail of 96 rows (the bundled model's experts), of 160, ...
+            tile(q, base, BLOCK // 4, gs, g, s, z, w)
+            acc_rows(w, gs, BLOCK // 2, X, xi, nr4, g, accs)
         else:
             tile(q, base, hb, gs, g, s, z, w)
             acc_rows(w, gs, nb, X, xi, nr4, g, accs)
@@ -146,3 +153,60 @@ def matmul_rows(x_p, R, q_p, sz_p, N, K, G, RB, y):
         s, z = np.empty(BLOCK, np.float32), np.empty(BLOCK, np.float32)
         accs = np.empty((xi.shape[0], BLOCK), np.float32)
         block_rows(q, 0, szs, G, N, K, b, X, xi, nr, y, xi, w, s, z, accs)
+
+
+@numba.njit(inline="always")
+def untile(q, base, hb, full, K, n0, szs, N, G, wt):
+    """wt[k, rows of the block at n0] = the unpacked weights ((q - 8) * scale + zero, bit for bit), k < K."""
+    gs = K // G
+    s, z = np.empty(2 * hb, np.float32), np.empty(2 * hb, np.float32)
+    for g in range(G):
+        scales(szs, N, n0, hb, full, g, s, z)
+        for kk in range(gs):
+            k = g * gs + kk
+            col = q[base + k * hb:base + k * hb + hb]
+            row = wt[k]
+            if full:
+                lo, hi = row[n0:n0 + hb], row[n0 + hb:n0 + 2 * hb]
+                for j in range(hb):
+                    c = col[j]
+                    lo[j] = (f32(np.int32(c & np.uint8(15))) - f32(8.0)) * s[j] + z[j]
+                    hi[j] = (f32(np.int32(c >> np.uint8(4))) - f32(8.0)) * s[hb + j] + z[hb + j]
+            else:
+                for j in range(hb):
+                    c = col[j]
+                    row[n0 + 2 * j] = (f32(np.int32(c & np.uint8(15))) - f32(8.0)) * s[j] + z[j]
+                    row[n0 + 2 * j + 1] = (f32(np.int32(c >> np.uint8(4))) - f32(8.0)) * s[hb + j] + z[hb + j]
+
+
+@numba.njit(cache=True, parallel=True)
+def unpack_t(q_p, sz_p, N, K, G, wt):
+    """wt [K, N] = W.T of one q4 matrix (stored layout), unpacked exactly; blocks of 64 rows over the threads."""
+    q, szs = at(q_p, (N * K // 2,), np.uint8), at(sz_p, (G * N * 2,), np.uint16)
+    nfull = N // BLOCK
+    for b in numba.prange((N + BLOCK - 1) // BLOCK):
+        wide()
+        if b < nfull:            # a constant trip count (vectorised 16 wide)
+            untile(q, b * BLOCK * K // 2, BLOCK // 2, True, K, b * BLOCK, szs, N, G, wt)
+        else:
+            untile(q, b * BLOCK * K // 2, (N - nfull * BLOCK) // 2, False, K, b * BLOCK, szs, N, G, wt)
+
+
+# matrices up to this many weights are unpacked for a prefill chunk (a float32 scratch of 4 MB at most, one per
+# thread); larger ones (the 30B shape's 4096 x 2048) stay on torch's int4 kernel: unpacking them cost about what
+# the sgemm saved (docs/LEARNED.md §10c)
+UNPACK_MAX = 1 << 20
+_scratch = threading.local()
+
+
+def linear_rows(x: torch.Tensor, parts: dict, shape) -> torch.Tensor:
+    """x [T, K] float32 @ W.T for one q4 matrix: W unpacked exactly into a reused float32 scratch, then one sgemm
+    (at T = 128 and 320 x 320: 109 us + 23 to unpack, against 189 us through torch's int4 kernel)."""
+    N, K = shape
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < N * K:
+        buf = _scratch.buf = np.empty(max(N * K, 1 << 16), np.float32)
+    wt = buf[:N * K].reshape(K, N)
+    follow_torch_threads()
+    unpack_t(parts["q"].data_ptr(), parts["sz"].data_ptr(), N, K, parts["sz"].shape[0], wt)
+    return torch.mm(x if x.is_contiguous() else x.contiguous(), torch.from_numpy(wt))
