@@ -45,8 +45,9 @@ def _task(q, qo, sz, zo, G, N, K, b, X, xs, r0, r1, Y, ys):
 
 
 @numba.njit(cache=True, parallel=True)
-def pairs_q4_rows(x_p, T, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, out):
-    """out [T * k, h] (zeroed by the caller) = each pair's down(act(gate x, up x)); slots [T, k] (-1: skipped)."""
+def pairs_q4_rows(x_p, T, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, nth, out):
+    """out [T * k, h] (zeroed by the caller) = each pair's down(act(gate x, up x)); slots [T, k] (-1: skipped);
+    nth: numba's thread count."""
     X, slots = at(x_p, (T, h), np.float32), at(s_p, (T * k,), np.int64)
     nsl = 0
     for p in range(T * k):
@@ -75,8 +76,15 @@ def pairs_q4_rows(x_p, T, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, 
         for a in range(start[s], start[s + 1], RB):
             tasks[t, 0], tasks[t, 1], tasks[t, 2] = s, a, min(a + RB, start[s + 1])
             t += 1
-    big = np.argsort(-(tasks[:, 2] - tasks[:, 1]), kind="mergesort")   # the largest tasks first, then dealt
-    tasks = tasks[big]                                                   # out one at a time (dynamic chunks of 1)
+    # the threads take contiguous equal runs of the iterations (numba's static schedule): deal the tasks, largest
+    # first, round-robin into as many runs as threads, so each thread gets a like share of large and small ones
+    big = np.argsort(-(tasks[:, 2] - tasks[:, 1]), kind="mergesort")
+    dealt, j = np.empty(nt, np.int64), 0
+    for t in range(nth):
+        for i in range(t, nt, nth):
+            dealt[j] = big[i]
+            j += 1
+    tasks = tasks[dealt]
     H, U = np.empty((P, inter), np.float32), np.empty((P, inter), np.float32)
     nbi, nbh = (inter + BLOCK - 1) // BLOCK, (h + BLOCK - 1) // BLOCK
     for i in numba.prange(nt * nbi):             # gate and up of one block of rows, then SwiGLU on it
@@ -112,12 +120,8 @@ class GroupedRows:
         x = x if x.is_contiguous() else x.contiguous()
         slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
         follow_torch_threads()
-        old = numba.set_parallel_chunksize(1)        # tasks of unequal size: dealt one at a time, not in halves
-        try:
-            pairs_q4_rows(x.data_ptr(), T, h, slots.data_ptr(), k, *self.arrays, self.os, self.groups, self.inter,
-                          self.limit, out.reshape(T * k, h))
-        finally:
-            numba.set_parallel_chunksize(old)
+        pairs_q4_rows(x.data_ptr(), T, h, slots.data_ptr(), k, *self.arrays, self.os, self.groups, self.inter,
+                      self.limit, numba.get_num_threads(), out.reshape(T * k, h))
         return torch.from_numpy(out)
 
 
