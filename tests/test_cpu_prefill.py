@@ -97,7 +97,7 @@ def test_grouped_q4_pairs_match_the_unpacked_experts_and_keep_their_bits(h, inte
     assert torch.equal(part[held >= 0], got[1][held >= 0]) and not part[held < 0].any()
 
 
-@pytest.mark.parametrize("shape", [(320, 320), (96, 320), (80, 64)])
+@pytest.mark.parametrize("shape", [(320, 320), (96, 320), (80, 64), (720, 2048)])
 def test_q4_prefill_rows_are_the_unpacked_float32_product(shape):
     """Q4.linear of float32 rows above one: the matrix unpacked exactly, then one sgemm (no bf16 rounding of x)."""
     fmt, g = get_format("q4"), torch.Generator().manual_seed(2)

@@ -151,7 +151,7 @@ class Q4(Format):
             if rk is not None:
                 return rk(x)
         if (x.shape[0] > 1 and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
-                and N * K <= _q4_rows().UNPACK_MAX and (int4pack.native() or not int4pack.kernel_ok(N, K, g))
+                and (int4pack.native() or not int4pack.kernel_ok(N, K, g))
                 and parts["q"].is_contiguous() and parts["sz"].is_contiguous()):
             return _q4_rows().linear_rows(x, parts, shape)      # a prefill chunk: unpacked once, one sgemm
         if not int4pack.kernel_ok(N, K, g) or x.shape[0] > self.dequant_rows:

@@ -156,8 +156,8 @@ def matmul_rows(x_p, R, q_p, sz_p, N, K, G, RB, y):
 
 
 @numba.njit(inline="always")
-def untile(q, base, hb, full, K, n0, szs, N, G, wt):
-    """wt[k, rows of the block at n0] = the unpacked weights ((q - 8) * scale + zero, bit for bit), k < K."""
+def untile(q, base, hb, full, K, n0, szs, N, G, wt, c0):
+    """wt[k, (rows of the block at n0) - c0] = the unpacked weights ((q - 8) * scale + zero, bit for bit), k < K."""
     gs = K // G
     s, z = np.empty(2 * hb, np.float32), np.empty(2 * hb, np.float32)
     for g in range(G):
@@ -165,9 +165,9 @@ def untile(q, base, hb, full, K, n0, szs, N, G, wt):
         for kk in range(gs):
             k = g * gs + kk
             col = q[base + k * hb:base + k * hb + hb]
-            row = wt[k]
+            row = wt[k, n0 - c0:]
             if full:
-                lo, hi = row[n0:n0 + hb], row[n0 + hb:n0 + 2 * hb]
+                lo, hi = row[:hb], row[hb:2 * hb]
                 for j in range(hb):
                     c = col[j]
                     lo[j] = (f32(np.int32(c & np.uint8(15))) - f32(8.0)) * s[j] + z[j]
@@ -175,38 +175,49 @@ def untile(q, base, hb, full, K, n0, szs, N, G, wt):
             else:
                 for j in range(hb):
                     c = col[j]
-                    row[n0 + 2 * j] = (f32(np.int32(c & np.uint8(15))) - f32(8.0)) * s[j] + z[j]
-                    row[n0 + 2 * j + 1] = (f32(np.int32(c >> np.uint8(4))) - f32(8.0)) * s[hb + j] + z[hb + j]
+                    row[2 * j] = (f32(np.int32(c & np.uint8(15))) - f32(8.0)) * s[j] + z[j]
+                    row[2 * j + 1] = (f32(np.int32(c >> np.uint8(4))) - f32(8.0)) * s[hb + j] + z[hb + j]
 
 
-@numba.njit(cache=True, parallel=True)
-def unpack_t(q_p, sz_p, N, K, G, wt):
-    """wt [K, N] = W.T of one q4 matrix (stored layout), unpacked exactly; blocks of 64 rows over the threads."""
-    q, szs = at(q_p, (N * K // 2,), np.uint8), at(sz_p, (G * N * 2,), np.uint16)
-    nfull = N // BLOCK
-    for b in numba.prange((N + BLOCK - 1) // BLOCK):
-        wide()
-        if b < nfull:            # a constant trip count (vectorised 16 wide)
-            untile(q, b * BLOCK * K // 2, BLOCK // 2, True, K, b * BLOCK, szs, N, G, wt)
-        else:
-            untile(q, b * BLOCK * K // 2, (N - nfull * BLOCK) // 2, False, K, b * BLOCK, szs, N, G, wt)
-
-
-# matrices up to this many weights are unpacked for a prefill chunk (a float32 scratch of 4 MB at most, one per
-# thread); larger ones (the 30B shape's 4096 x 2048) stay on torch's int4 kernel: unpacking them cost about what
-# the sgemm saved (docs/LEARNED.md §10c)
+# a prefill chunk's q4 matrix is unpacked this many weights at a time (whole 64-row blocks), each part multiplied
+# by one sgemm: a float32 scratch of 4 MB at most, one per thread (docs/LEARNED.md §10c)
 UNPACK_MAX = 1 << 20
 _scratch = threading.local()
 
 
+@numba.njit(cache=True, parallel=True)
+def unpack_rows_t(q_p, sz_p, N, K, G, n0, n1, wt):
+    """wt [K, n1 - n0] = rows n0..n1 (whole blocks) of one q4 matrix, transposed, unpacked exactly."""
+    q, szs = at(q_p, (N * K // 2,), np.uint8), at(sz_p, (G * N * 2,), np.uint16)
+    nfull = N // BLOCK
+    for b in numba.prange(n0 // BLOCK, (n1 + BLOCK - 1) // BLOCK):
+        wide()
+        if b < nfull:            # a constant trip count (vectorised 16 wide)
+            untile(q, b * BLOCK * K // 2, BLOCK // 2, True, K, b * BLOCK, szs, N, G, wt, n0)
+        else:
+            untile(q, b * BLOCK * K // 2, (N - nfull * BLOCK) // 2, False, K, b * BLOCK, szs, N, G, wt, n0)
+
+
 def linear_rows(x: torch.Tensor, parts: dict, shape) -> torch.Tensor:
-    """x [T, K] float32 @ W.T for one q4 matrix: W unpacked exactly into a reused float32 scratch, then one sgemm
-    (at T = 128 and 320 x 320: 109 us + 23 to unpack, against 189 us through torch's int4 kernel)."""
+    """x [T, K] float32 @ W.T for one q4 matrix: W unpacked exactly into a reused float32 scratch, UNPACK_MAX
+    weights at a time, each part one sgemm (at T = 128 and 320 x 320: 109 us + 23 to unpack, against 189 us
+    through torch's int4 kernel)."""
     N, K = shape
+    rows = max(BLOCK, UNPACK_MAX // K // BLOCK * BLOCK)
     buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.size < N * K:
-        buf = _scratch.buf = np.empty(max(N * K, 1 << 16), np.float32)
-    wt = buf[:N * K].reshape(K, N)
+    if buf is None or buf.size < min(N, rows) * K:
+        buf = _scratch.buf = np.empty(max(min(N, rows) * K, 1 << 16), np.float32)
+    x = x if x.is_contiguous() else x.contiguous()
     follow_torch_threads()
-    unpack_t(parts["q"].data_ptr(), parts["sz"].data_ptr(), N, K, parts["sz"].shape[0], wt)
-    return torch.mm(x if x.is_contiguous() else x.contiguous(), torch.from_numpy(wt))
+    q, sz, G = parts["q"].data_ptr(), parts["sz"].data_ptr(), parts["sz"].shape[0]
+    if N <= rows:
+        wt = buf[:N * K].reshape(K, N)
+        unpack_rows_t(q, sz, N, K, G, 0, N, wt)
+        return torch.mm(x, torch.from_numpy(wt))
+    out = torch.empty(x.shape[0], N)
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        wt = buf[:(n1 - n0) * K].reshape(K, n1 - n0)
+        unpack_rows_t(q, sz, N, K, G, n0, n1, wt)
+        out[:, n0:n1] = torch.mm(x, torch.from_numpy(wt))
+    return out
