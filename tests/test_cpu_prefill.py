@@ -29,19 +29,23 @@ def _matmul_rows(x, parts, shape):
     return torch.from_numpy(out)
 
 
-@pytest.mark.parametrize("shape", [(320, 96), (96, 320), (80, 64), (16, 6)])
-def test_q4_rows_are_the_float32_product_and_each_rows_alone(shape, threads):
-    fmt, g = get_format("q4"), torch.Generator().manual_seed(0)
-    w = torch.randn(shape, generator=g) / shape[1] ** 0.5
-    parts = fmt.pack(w)
-    d = fmt.unpack(parts, shape, torch.float64)
-    x = torch.randn(11, shape[1], generator=g)
+def _at_threads(f) -> dict:
+    """f() at one and at two threads (numba's launch must leave torch's count as it was)."""
     got = {}
     for n in (1, 2):
         torch.set_num_threads(n)
-        got[n] = _matmul_rows(x, parts, shape)
+        got[n] = f()
         assert torch.get_num_threads() == n
-    ref = x.double() @ d.T
+    return got
+
+
+@pytest.mark.parametrize("shape", [(320, 96), (96, 320), (80, 64), (16, 6)])
+def test_q4_rows_are_the_float32_product_and_each_rows_alone(shape, threads):
+    fmt, g = get_format("q4"), torch.Generator().manual_seed(0)
+    parts = fmt.pack(torch.randn(shape, generator=g) / shape[1] ** 0.5)
+    x = torch.randn(11, shape[1], generator=g)
+    got = _at_threads(lambda: _matmul_rows(x, parts, shape))
+    ref = x.double() @ fmt.unpack(parts, shape, torch.float64).T
     assert ((got[1].double() - ref).norm() / ref.norm()).item() < 1e-6
     assert torch.equal(got[1], got[2])
     for i in (0, 5, 10):                                  # a row alone (and in another group of four) is the same
@@ -82,10 +86,7 @@ def test_grouped_q4_pairs_match_the_unpacked_experts_and_keep_their_bits(h, inte
     slots = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(T)])
     slots[3, 1] = -1                                      # a pair another group computes: left zero
     kernel = kernel_for(bank.fmt, "cpu")
-    got = {}
-    for n in (1, 2):
-        torch.set_num_threads(n)
-        got[n] = kernel(x, slots, bank)
+    got = _at_threads(lambda: kernel(x, slots, bank))
     ref = _reference(x, slots, ws, limit)
     assert ((got[1].double() - ref).norm() / ref.norm()).item() < 1e-6
     assert torch.equal(got[1][3, 1], torch.zeros(h))
