@@ -133,3 +133,17 @@ def usable(bank) -> bool:
     (N, K) = bank.shapes["gate"]
     return (bank.fmt.kind == "q4" and not bank.fmt.needs_prepare() and moe_cpu.usable(bank) and N * K <= MAX_WEIGHTS
             and bank.parts["gate"]["q"].device.type == "cpu")
+
+
+def warm() -> None:
+    """Load (or compile, the first time on a machine) the prefill kernels on tiny inputs of the real calls' types,
+    with the decode row's (moe_cpu.warm: before the memory plan measures the process's baseline)."""
+    from ..quant import q4_rows
+
+    f32, i64, h, inter, k = np.float32, np.int64, 64, 64, 2
+    x, slots = torch.zeros(2, h), torch.zeros(2, k, dtype=torch.int64)
+    nib, sz = np.zeros(h * inter // 2, np.uint8), np.zeros(h * inter, np.uint16)
+    pairs_q4_rows(x.data_ptr(), 2, h, slots.data_ptr(), k, nib, sz, nib, sz, nib, sz, np.zeros((6, 2), i64),
+                  np.ones(3, i64), inter, f32(-1), 1, np.zeros((2 * k, h), f32))
+    q = torch.zeros(h, h // 2, dtype=torch.uint8)
+    q4_rows.unpack_rows_t(q.data_ptr(), q.data_ptr(), h, h, 1, 0, h, np.zeros((h, h), f32))
