@@ -230,10 +230,7 @@ def expert_pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, kernel: Kerne
     if complete or getattr(kernel, "any_slots", False):     # (moe_triton: exact per pair, -1 pairs left zero)
         return kernel(x, slots, bank)
     if slots.shape[0] != 1:
-        rk = _numba_rows(x, bank) if getattr(kernel, "numba_rows", False) else None
-        if rk is not None:
-            return rk(x, slots)                # each pair alone, exact: the same in any group
-        return segments(x, slots, bank)        # one matmul per expert over all its rows: the same in any group
+        return prefill_pairs(x, slots, bank)
     if getattr(kernel, "numba_rows", False) and _numba_row(x, bank):
         return bank.row_kernel()(x, slots)     # numba computes only the pairs it is given, each alone
     valid = slots >= 0
@@ -276,6 +273,14 @@ def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, b
             pairs = [torch.zeros_like(p) for p in part]
         pairs = [torch.where((s >= 0).unsqueeze(-1), p, a) for a, s, p in zip(pairs, slots, part)]
     return [weighted_sum(p, w) for p, w in zip(pairs, weights)]
+
+
+def prefill_pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
+    """A prefill chunk's pairs (of any row count: expert parallel hands a rank the rows routed to it, one or more) as
+    one process computes them, each pair exact whatever else is in the call: the grouped numba kernel where it
+    serves (q4 records on the CPU, float32 rows), else one matmul per expert over all its rows (segments)."""
+    rk = bank.rows_kernel() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+    return rk(x, slots) if rk is not None else segments(x, slots, bank)
 
 
 def _numba_rows(x: torch.Tensor, bank: Bank):
