@@ -297,9 +297,9 @@ class Engine:
             if ep is not None:
                 owned = ep.owned(container)
             if resolve_device(device) == "cpu":
-                from .layers.moe_cpu import warm
+                from .layers.cpu_prefill import warm
 
-                warm()       # the decode kernels' runtime is part of the process the plan measures
+                warm()       # the CPU kernels' runtime is part of the process the plan measures
             if random and ram is None:
                 ram = container.plan_ram(ep.local_world if ep else 1)
             plan = plan_memory(container, dt, context, None if ram is None else parse_size(ram),

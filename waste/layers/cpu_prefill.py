@@ -136,10 +136,13 @@ def usable(bank) -> bool:
 
 
 def warm() -> None:
-    """Load (or compile, the first time on a machine) the prefill kernels on tiny inputs of the real calls' types,
-    with the decode row's (moe_cpu.warm: before the memory plan measures the process's baseline)."""
+    """Load (or compile, the first time on a machine) the CPU's numba kernels on tiny inputs of the real calls' types:
+    the decode row's (moe_cpu.warm) and the prefill chunk's (Engine.load: before the memory plan measures the
+    process's baseline)."""
     from ..quant import q4_rows
+    from . import moe_cpu
 
+    moe_cpu.warm()
     f32, i64, h, inter, k = np.float32, np.int64, 64, 64, 2
     x, slots = torch.zeros(2, h), torch.zeros(2, k, dtype=torch.int64)
     nib, sz = np.zeros(h * inter // 2, np.uint8), np.zeros(h * inter, np.uint16)

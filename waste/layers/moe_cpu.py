@@ -104,7 +104,7 @@ def warm() -> None:
     the process's own memory as its baseline, so this runs before the plan does (Engine.load)."""
     from ..numba_ptr import follow_torch_threads
     from ..quant import q4_numba
-    from . import attention_cpu, cpu_prefill, norm_cpu, router_cpu
+    from . import attention_cpu, norm_cpu, router_cpu
 
     # numba's OpenMP layer shares torch's OpenMP runtime: a parallel kernel launched at another thread count would
     # change torch's too (and with it the bits of torch's reductions), so every launch first takes torch's count
@@ -132,4 +132,3 @@ def warm() -> None:
     norm_cpu.rms_rows(x, torch.ones(h), 1e-6)
     q4 = {"q": torch.zeros(h, h // 2, dtype=torch.uint8), "sz": torch.zeros(1, h, 2, dtype=torch.bfloat16)}
     q4_numba.row(x, q4, (h, h))
-    cpu_prefill.warm()
