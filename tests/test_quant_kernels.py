@@ -56,11 +56,13 @@ def test_nibble_layout_is_torchs_int4pack_operand_and_repacks_elsewhere(monkeypa
         assert torch.equal(int4pack.unpack_nibbles(int4pack.pack_nibbles(q, 32), N, K, 32), q)     # AVX2's blocks
         if int4pack.native() and N % 16 == 0:
             assert torch.equal(torch._convert_weight_to_int4pack_for_cpu(q.int(), 2).reshape(-1), p.reshape(-1))
-    fmt, w, x = get_format("q4"), torch.randn(96, 256, generator=g), torch.randn(2, 256, generator=g)
+    # bf16 rows: both layouts through torch's int4 kernel (float32 rows above one are unpacked: quant/q4_rows.py)
+    fmt, w, x = get_format("q4"), torch.randn(96, 256, generator=g), torch.randn(2, 256, generator=g).bfloat16()
     parts = fmt.pack(w)
     y = fmt.linear(x, parts, (96, 256))
     monkeypatch.setattr(int4pack, "native", lambda: False)   # as on an AVX2 or ARM build: repack, same numbers
-    assert torch.allclose(fmt.linear(x, fmt.prepare(parts, (96, 256)), (96, 256)), y, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(fmt.linear(x, fmt.prepare(parts, (96, 256)), (96, 256)).float(), y.float(), rtol=1e-5,
+                          atol=1e-6)
 
 
 def _q4_search_in_torch(x: torch.Tensor):

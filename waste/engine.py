@@ -296,9 +296,9 @@ class Engine:
             ep, owned = expert_parallel, None
             only = ep is not None and ep.experts_only     # a rank other than 0 holds no trunk: it computes experts
             if resolve_device(device) == "cpu":
-                from .layers.moe_cpu import warm
+                from .layers.cpu_prefill import warm
 
-                warm()       # the decode kernels' runtime is part of the process the plan measures
+                warm()       # the CPU kernels' runtime is part of the process the plan measures
             if random and ram is None:
                 ram = container.plan_ram(ep.local_world if ep else 1)
             ram = None if ram is None else parse_size(ram)

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from . import moe_cpu
+from . import cpu_prefill, moe_cpu
 from .mlp import oai_glu_act, situ_act, swiglu_act
 
 MATRICES = ("gate", "up", "down")
@@ -41,12 +41,19 @@ class Bank:
     #                                                ("oai_glu", alpha, limit): gpt-oss's clamped GLU
     _by_slot: dict = field(default_factory=dict)
     _row_kernel: object = False                    # moe_cpu.NumbaPairs once made; None where it cannot serve
+    _rows_kernel: object = False                   # cpu_prefill.GroupedRows once made; None where it cannot serve
 
     def row_kernel(self):
         """The numba kernel for one decode row on the CPU (layers/moe_cpu.py), or None for records it does not read."""
         if self._row_kernel is False:
             self._row_kernel = moe_cpu.NumbaPairs(self) if moe_cpu.usable(self) else None
         return self._row_kernel
+
+    def rows_kernel(self):
+        """The numba kernel for a prefill chunk's pairs on the CPU (layers/cpu_prefill.py: q4 records), or None."""
+        if self._rows_kernel is False:
+            self._rows_kernel = cpu_prefill.GroupedRows(self) if cpu_prefill.usable(self) else None
+        return self._rows_kernel
 
     def __post_init__(self):
         self.bias = "bias" in self.parts.get("gate", {})    # gpt-oss: records carry gate / up / down biases
@@ -189,10 +196,11 @@ per_pair.per_matrix = True      # each pair through its own matmul: exact in a c
 
 def cpu_rows(torch_kernel: Kernel) -> Kernel:
     """On the CPU, a float32 or bf16 decode row's pairs in one numba call (layers/moe_cpu.py: 2-9x faster than the
-    torch kernels at decode sizes, LEARNED §10, §10d); everything else (prefill, K3's activation) through
-    torch_kernel. Pairs with slot -1 are left zero, as the contract asks."""
+    torch kernels at decode sizes, LEARNED §10, §10d), a float32 prefill chunk's q4 pairs in another
+    (layers/cpu_prefill.py, §10c); everything else (K3's activation, a bf16 prefill) through torch_kernel. Pairs
+    with slot -1 are left zero, as the contract asks."""
     def kernel(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
-        nb = bank.row_kernel() if slots.shape[0] == 1 and x.dtype in moe_cpu.ROW_DTYPES else None
+        nb = _numba_rows(x, bank)
         return nb(x, slots) if nb is not None else torch_kernel(x, slots, bank)
     kernel.__name__ = f"cpu_rows({torch_kernel.__name__})"
     kernel.per_matrix = getattr(torch_kernel, "per_matrix", False)
@@ -222,7 +230,7 @@ def expert_pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank, kernel: Kerne
     if complete or getattr(kernel, "any_slots", False):     # (moe_triton: exact per pair, -1 pairs left zero)
         return kernel(x, slots, bank)
     if slots.shape[0] != 1:
-        return segments(x, slots, bank)        # one matmul per expert over all its rows: the same in any group
+        return prefill_pairs(x, slots, bank)
     if getattr(kernel, "numba_rows", False) and _numba_row(x, bank):
         return bank.row_kernel()(x, slots)     # numba computes only the pairs it is given, each alone
     valid = slots >= 0
@@ -275,6 +283,24 @@ def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, b
             pairs = [torch.zeros_like(p) for p in part]
         pairs = [torch.where((s >= 0).unsqueeze(-1), p, a) for a, s, p in zip(pairs, slots, part)]
     return [weighted_sum(p, w) for p, w in zip(pairs, weights)]
+
+
+def prefill_pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
+    """A prefill chunk's pairs (of any row count: expert parallel hands a rank the rows routed to it, one or more) as
+    one process computes them, each pair exact whatever else is in the call: the grouped numba kernel where it
+    serves (q4 records on the CPU, float32 rows), else one matmul per expert over all its rows (segments)."""
+    rk = bank.rows_kernel() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+    return rk(x, slots) if rk is not None else segments(x, slots, bank)
+
+
+def _numba_rows(x: torch.Tensor, bank: Bank):
+    """The numba kernel for these CPU rows' pairs: the decode row's at one row (float32 or bf16), the prefill
+    chunk's above (q4 records, float32), or None."""
+    if x.device.type != "cpu":
+        return None
+    if x.shape[0] == 1:
+        return bank.row_kernel() if x.dtype in moe_cpu.ROW_DTYPES else None
+    return bank.rows_kernel() if x.dtype == torch.float32 else None
 
 
 def _numba_row(x: torch.Tensor, bank: Bank) -> bool:

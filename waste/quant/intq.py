@@ -95,6 +95,13 @@ def _q4_numba():
     return q4_numba
 
 
+@functools.lru_cache(maxsize=1)
+def _q4_rows():
+    from . import q4_rows       # imports numba: only when a CPU prefill chunk first needs it
+
+    return q4_rows
+
+
 class Q4(Format):
     bits, kind = 4.0, "q4"
     kernel_dtype = torch.bfloat16      # int4pack.int4_mm runs a float32 x as bf16
@@ -158,6 +165,10 @@ class Q4(Format):
             rk = self.row_kernel(parts, shape)
             if rk is not None:
                 return rk(x)
+        if (x.shape[0] > 1 and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
+                and (int4pack.native() or not int4pack.kernel_ok(N, K, g))
+                and parts["q"].is_contiguous() and parts["sz"].is_contiguous()):
+            return _q4_rows().linear_rows(x, parts, shape)      # a prefill chunk: unpacked once, one sgemm
         if not int4pack.kernel_ok(N, K, g) or x.shape[0] > self.dequant_rows:
             return F.linear(x, self.unpack(parts, shape, x.dtype))      # (prepare() leaves these parts as stored)
         q = parts["q"]

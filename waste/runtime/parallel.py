@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 
 from ..errors import WasteError
-from ..layers.moe import expert_pairs, kernel_for, segments, weighted_sum
+from ..layers.moe import expert_pairs, kernel_for, prefill_pairs, weighted_sum
 from . import trace as traces
 
 IDLE, STOP, STATS = -1, -2, -3      # header tags besides a layer index
@@ -481,7 +481,7 @@ class ParallelExperts:
                 x = x.to(dev)
                 s = torch.where(m.to(lut.device), lut[i.to(lut.device)], -1).to(dev)
                 # a prefill row goes through the per-expert matmul even when it arrives alone (as in one process)
-                p = segments(x, s, self.bank) if T > 1 else expert_pairs(x, s, self.bank, self.kernel, False)
+                p = prefill_pairs(x, s, self.bank) if T > 1 else expert_pairs(x, s, self.bank, self.kernel, False)
                 pairs[w] = p if pairs[w] is None else torch.where((s >= 0).unsqueeze(-1), p, pairs[w])
         for w, (src, _, _, _, m) in enumerate(work):
             if pairs[w] is not None:
