@@ -304,5 +304,7 @@ def test_plan_gives_rank_0_fewer_experts_where_the_trunk_leaves_it_less_room(tmp
     # in host memory (5 GB between 2 processes) rank 1 has room for 1.2 of its 1.5 GB: said so, and why it matters
     p = waste_cli("plan", f"random:{cfg}", "--expert-parallel", "2", "--device", "cpu", "--ram", "5G")
     assert p.returncode == 0, p.stderr
-    assert p.stdout.splitlines()[-1].startswith("does not fit resident: rank 1 holds ")
+    last = p.stdout.splitlines()[-1]
+    # (rank 0 may be short too: its room depends on this process's measured baseline, which the kernels it loads move)
+    assert last.startswith("does not fit resident: ") and "rank 1 holds " in last
     assert p.stdout.splitlines()[-1].endswith("(a random model needs them all: refused)")

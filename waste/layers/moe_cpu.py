@@ -98,7 +98,9 @@ def usable(bank) -> bool:
         dts = {bank.parts[m][""].dtype for m in ("gate", "up", "down")}
         return dts in ({torch.bfloat16}, {torch.float32})
     if bank.fmt.kind == "q4":
-        return all(set(bank.parts[m]) == {"q", "sz"} for m in ("gate", "up", "down"))
+        # the kernels read the stored nibble layout; a torch build that repacks records in their slots (no AVX-512:
+        # int4pack.native() false) leaves another layout there
+        return not bank.fmt.needs_prepare() and all(set(bank.parts[m]) == {"q", "sz"} for m in ("gate", "up", "down"))
     return True
 
 
