@@ -331,14 +331,9 @@ DOWN_TILES = {"float": (8, 256, 4), "q8": (8, 256, 4), "q4": (8, 0, 4)}
 
 def serves(x: torch.Tensor, bank: Bank) -> bool:
     """Whether weighted_pairs computes these rows' pairs (not: records with biases, another activation than SwiGLU,
-    mxfp4, float prefill, rows wider than the format's kernel dtype: q4 under float32 compute, where the torch path
-    rounds the activation and each pair to bf16 as the CPU's int4 path does, and tests/test_cuda.py holds the GPU's
-    prompt routing to the CPU's: this kernel's float32 activation moved it, LEARNED §10b): decided by the rows and the
-    bank alone, so every group of a layer takes the same path."""
+    mxfp4, float prefill): decided by the rows and the bank alone, so every group of a layer takes the same path."""
     kind = bank.fmt.kind or bank.fmt.name
-    kd = bank.fmt.kernel_dtype
-    return not bank.bias and bank.act is None and kind in DOWN_TILES and (x.shape[0] == 1 or kind != "float") \
-        and (kd is None or kd == x.dtype)
+    return not bank.bias and bank.act is None and kind in DOWN_TILES and (x.shape[0] == 1 or kind != "float")
 
 
 def weighted_pairs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, bank: Bank, bn: int | None = None,
