@@ -23,9 +23,9 @@ def container(tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["bf16", "q8", "q4"])
 @pytest.mark.parametrize("small", [False, True])
 def test_cuda_logits_and_tokens_match_cpu(container, fmt, small):
-    """float32 compute: bf16 / q8 experts match the CPU within float32 rounding and give the same tokens; q4 (whose
-    kernels take the row in bf16 on either device) routes every token of the prompt the same and matches within
-    bf16 rounding."""
+    """float32 compute: bf16 / q8 experts match the CPU within float32 rounding and give the same tokens; q4 (float32
+    rows through the fused triton kernel and the CPU's grouped prefill kernel; the CPU's decode rows round to int8)
+    routes every token of the prompt the same and matches within bf16 rounding."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     budget = None
