@@ -78,14 +78,20 @@ def test_each_family_is_bit_identical_to_one_process(containers, tmp_path):
     items.append(f"deepseek_v3_small={containers['deepseek_v3']}@{ws['deepseek_v3'] // 3}")
     items.append(f"qwen3_moe_trace={containers['qwen3_moe']}+trace:{TRACE}")
     (tmp_path / "ep").mkdir()
+    (tmp_path / "one").mkdir()
     r = torchrun(str(HERE / "ep_worker.py"), str(tmp_path / "ep"), "--expert-parallel", "2", *items)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # one process, as a user runs it: a fresh one on one thread (as torchrun starts the workers), not this pytest
+    # process, whose earlier tests leave thread and kernel state behind (in two full-suite runs this process's q4
+    # decode step differed from the workers' in the last bits; run alone it agreed: the cause is not traced)
+    r = run([sys.executable, str(HERE / "ep_worker.py"), str(tmp_path / "one"), *items], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for item in items:
             name = item.partition("=")[0]
-            want = ep_worker.run_one(item, None)
+            want = torch.load(tmp_path / "one" / f"{name}.pt")
             got = torch.load(tmp_path / "ep" / f"{name}.pt")
             for k in ("prefill", "greedy", "batch_a", "batch_b", "next_a", "next_b"):
                 assert torch.equal(got[k], want[k]), (name, k)
