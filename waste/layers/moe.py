@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..quant.linear import ROW_DTYPES
 from . import cpu_prefill, moe_cpu
 from .mlp import oai_glu_act, situ_act, swiglu_act
 
@@ -299,12 +300,12 @@ def _numba_rows(x: torch.Tensor, bank: Bank):
     if x.device.type != "cpu":
         return None
     if x.shape[0] == 1:
-        return bank.row_kernel() if x.dtype in moe_cpu.ROW_DTYPES else None
+        return bank.row_kernel() if x.dtype in ROW_DTYPES else None
     return bank.rows_kernel() if x.dtype == torch.float32 else None
 
 
 def _numba_row(x: torch.Tensor, bank: Bank) -> bool:
-    return (x.shape[0] == 1 and x.dtype in moe_cpu.ROW_DTYPES and x.device.type == "cpu"
+    return (x.shape[0] == 1 and x.dtype in ROW_DTYPES and x.device.type == "cpu"
             and bank.row_kernel() is not None)
 
 

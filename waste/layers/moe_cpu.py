@@ -19,7 +19,6 @@ import functools
 import numpy as np
 import torch
 
-ROW_DTYPES = (torch.float32, torch.bfloat16)      # the compute dtypes a decode row takes these kernels in
 
 
 @functools.lru_cache(maxsize=1)

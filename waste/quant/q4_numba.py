@@ -52,7 +52,7 @@ def q4_block4(blk, k4a, k4b, x, lo, hi):   # a full block's 64 rows over k in [4
 
 
 @numba.njit(fastmath=True, inline="always")
-def q4_block(q, o, szs, G, N, K, b, x, y, acc):  # rows of block b of W x into y (mv_q4's body, one block)
+def q4_block(q, o, szs, G, N, K, b, x, y, acc):  # rows of block b of W x into y in float32 (a tail block, odd groups)
     nfull = N // BLOCK
     gs = K // G
     rows = BLOCK if b < nfull else N - nfull * BLOCK
@@ -85,21 +85,14 @@ def q4_block(q, o, szs, G, N, K, b, x, y, acc):  # rows of block b of W x into y
 
 
 @numba.njit(fastmath=True, inline="always")
-def mv_q4(q, o, sz, zo, G, x, y, acc):  # quant/intq.py Q4: nibbles in int4pack's layout, sz bf16 [G, N, 2]
-    N, K = y.shape[0], x.shape[0]
-    szs = sz[zo:zo + G * N * 2]
-    for b in range((N + BLOCK - 1) // BLOCK):
-        q4_block(q, o, szs, G, N, K, b, x, y, acc)
-
-
-@numba.njit(fastmath=True, inline="always")
 def i8_blocks(N, K, G):                # full blocks the int8 path takes (the rest: the float loop)
     return N // BLOCK if (K // G) % KSTEP == 0 else 0
 
 
 @numba.njit(fastmath=True, inline="always")
 def mv_q4_i8(q, o, sz, zo, G, x, xq, d, d8sq, sx, y, acc):
-    """mv_q4 with x's int8 rounding (xq, d, d8sq, sx from quantize_row) for the full blocks: their integer dot is
+    """W x for one matrix in the slab (quant/intq.py Q4: nibbles in int4pack's layout, sz bf16 [G, N, 2]) with x's
+    int8 rounding (xq, d, d8sq, sx from quantize_row) for the full blocks: their integer dot is
     2-2.5x the float loop's speed (q4_int8.py); a tail block and groups not a multiple of 16 keep the float loop
     (acc float32 [64]: its scratch)."""
     N, K = y.shape[0], x.shape[0]
