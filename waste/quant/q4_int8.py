@@ -6,7 +6,7 @@ thread; llama.cpp's integer dots at ~2x that. numba types every small-integer ex
 in numba vectorises 8 lanes wide (LEARNED §10a), and no library multiplies int4pack's layout (a block's 64 rows
 across, k down) by an int8 row. So the inner 16 k of a block are LLVM IR written here with explicit 32-lane vectors
 (generic IR, no x86 intrinsics: LLVM picks the host's instructions, AVX-512 / AVX2 / NEON), inlined into the numba
-kernels through `numba.extending.intrinsic`: 16.4 GB/s a thread on a 768 x 2048 matrix (docs/LEARNED.md §10d).
+kernels through `numba.extending.intrinsic`: 14-17 GB/s a thread, 2.1-2.5x the float loop (docs/LEARNED.md §10d).
 
 Exactness: the result is W times the int8-rounded row, each pair's sums in integers (no overflow: |nibble x q| <=
 15 x 127 and 16 of them fit int16, the group in int32), then one float32 epilogue per group; the bits depend on
