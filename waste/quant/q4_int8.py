@@ -92,8 +92,8 @@ def block_out(typingctx, q_a, sz_a, N, xq, d, d8sq, sx, y, y0):
                 s = builder.bitcast(builder.shl(w, sixteen), _VF)
                 z = builder.bitcast(builder.and_(w, high), _VF)
                 t = builder.fsub(builder.fmul(dg, builder.sitofp(builder.load(acc[h]), _VF)), d8g)
-                builder.store(builder.fadd(builder.load(yacc[h]), builder.fadd(builder.fmul(s, t), builder.fmul(z, sxg))),
-                              yacc[h])
+                row = builder.fadd(builder.fmul(s, t), builder.fmul(z, sxg))
+                builder.store(builder.fadd(builder.load(yacc[h]), row), yacc[h])
         for h in range(2):
             builder.store(builder.load(yacc[h]), _at(builder, yp, ir.Constant(i64, 32 * h), _VF), align=4)
         return context.get_dummy_value()
