@@ -1,13 +1,18 @@
-"""The numba prefill kernels (quant/q4_rows.py, layers/cpu_prefill.py) against float64 products with the unpacked
-matrices, and the rules that keep their bits fixed: a row's result depends neither on the thread count nor on the
-rows beside it (other tokens, other pairs of its expert, a budget group that holds only some of its experts)."""
+"""The numba prefill kernels (quant/q4_rows.py, quant/q4_vnni.py, layers/cpu_prefill.py) against float64 products
+(the unpacked matrices; for the int8 rows, tests/rowref.py's definition) and the rules that keep their bits fixed: a
+row's result depends neither on the thread count nor on the rows beside it (other tokens, other pairs of its
+expert, a budget group that holds only some of its experts); the int8 rows also have the decode row's bits."""
 import numpy as np
 import pytest
 import torch
+from rowref import row_product
 
 from waste.layers.mlp import swiglu_act
 from waste.layers.moe import Bank, expert_pairs, kernel_for
+from waste.quant import q4_vnni
 from waste.quant.formats import get_format
+
+vnni = pytest.mark.skipif(not q4_vnni.available(), reason="needs AVX-512 VNNI (this host's CPU lacks it)")
 
 
 @pytest.fixture
@@ -78,9 +83,12 @@ def _reference(x, slots, ws, limit):
 
 @pytest.mark.parametrize("h,inter,limit", [(320, 96, None), (128, 160, 7.0)])
 def test_grouped_q4_pairs_match_the_unpacked_experts_and_keep_their_bits(h, inter, limit, threads):
+    from waste.layers import cpu_prefill
+
     S, T, k = 6, 40, 2
     bank, ws = _bank(S, h, inter, limit)
     assert bank.rows_kernel() is not None
+    bank.rows_kernel().fn = cpu_prefill.pairs_q4_rows     # the float tiles (small records, or no VNNI)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, h, generator=g)
     slots = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(T)])
@@ -99,8 +107,10 @@ def test_grouped_q4_pairs_match_the_unpacked_experts_and_keep_their_bits(h, inte
 
 
 @pytest.mark.parametrize("shape", [(320, 320), (96, 320), (80, 64), (720, 2048)])
-def test_q4_prefill_rows_are_the_unpacked_float32_product(shape):
-    """Q4.linear of float32 rows above one: the matrix unpacked exactly, then one sgemm (no bf16 rounding of x)."""
+def test_q4_prefill_rows_are_the_unpacked_float32_product(shape, monkeypatch):
+    """Q4.linear of float32 rows above one without the VNNI rows: the matrix unpacked exactly, then one sgemm (no
+    bf16 rounding of x)."""
+    monkeypatch.setattr(q4_vnni, "available", lambda: False)
     fmt, g = get_format("q4"), torch.Generator().manual_seed(2)
     w = torch.randn(shape, generator=g) / shape[1] ** 0.5
     parts = fmt.pack(w)
@@ -109,3 +119,51 @@ def test_q4_prefill_rows_are_the_unpacked_float32_product(shape):
         x = torch.randn(T, shape[1], generator=g)
         ref = x.double() @ d.T
         assert ((fmt.linear(x, parts, shape).double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+@vnni
+@pytest.mark.parametrize("shape", [(320, 320), (160, 320), (96, 320), (80, 64), (720, 2048)])
+def test_q4_vnni_rows_are_the_decode_rows(shape, threads):
+    """The int8 rows by VNNI (what Q4.linear takes above q4_vnni.MIN_WEIGHTS): each row within 1e-6 of the product
+    the decode row defines (rowref.row_product) and with the decode row's bits, at 1 and 2 threads, whatever rows
+    share the call; tail blocks (160, 96, 80 rows) included."""
+    fmt, g = get_format("q4"), torch.Generator().manual_seed(3)
+    parts = fmt.pack(torch.randn(shape, generator=g) / shape[1] ** 0.5)
+    x = torch.randn(70, shape[1], generator=g)          # a task of 64 rows and one of 6
+    got = _at_threads(lambda: q4_vnni.linear(x, parts, shape))
+    assert torch.equal(got[1], got[2])
+    rows = torch.cat([fmt.linear(x[i:i + 1], parts, shape) for i in range(x.shape[0])])
+    assert torch.equal(got[1], rows)
+    for i in (0, 33, 69):
+        ref = row_product(fmt, x[i:i + 1], parts, shape)
+        assert ((got[1][i].double() - ref[0]).norm() / ref.norm()).item() < 1e-6
+    assert torch.equal(q4_vnni.linear(x[5:8], parts, shape), got[1][5:8])
+
+
+@vnni
+@pytest.mark.parametrize("h,inter,limit", [(320, 96, None), (128, 160, 7.0), (256, 192, None)])
+def test_grouped_q4_vnni_pairs_are_the_decode_pairs(h, inter, limit, threads):
+    """The grouped int8 pairs (layers/cpu_prefill.pairs_q4_i8): each pair the decode row's kernel's bits (that kernel
+    is held to rowref's product in tests/test_cpu_kernels.py), at 1 and 2 threads, alone, in a chunk and in a budget
+    group; a skipped pair left zero."""
+    from waste.layers import cpu_prefill
+
+    S, T, k = 6, 40, 2
+    bank, ws = _bank(S, h, inter, limit)
+    bank.rows_kernel().fn = cpu_prefill.pairs_q4_i8
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, h, generator=g)
+    slots = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(T)])
+    slots[3, 1] = -1
+    kernel = kernel_for(bank.fmt, "cpu")
+    got = _at_threads(lambda: kernel(x, slots, bank))
+    assert torch.equal(got[1], got[2])
+    rows = torch.cat([expert_pairs(x[t:t + 1], slots[t:t + 1], bank, kernel, False) for t in range(T)])
+    assert torch.equal(got[1], rows)
+    assert torch.equal(got[1][3, 1], torch.zeros(h))
+    ref = _reference(x, slots, ws, limit)                 # and near the float64 experts (int8 rows: ~1% of q4's)
+    assert ((got[1].double() - ref).norm() / ref.norm()).item() < 2e-2
+    assert torch.equal(kernel(x[7:9], slots[7:9], bank), got[1][7:9])
+    held = torch.where(slots % 2 == 0, slots, -1)
+    part = expert_pairs(x, held, bank, kernel, complete=False)
+    assert torch.equal(part[held >= 0], got[1][held >= 0]) and not part[held < 0].any()

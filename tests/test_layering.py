@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent / "waste"
 # Lowest first. A unit (a subpackage, or a module directly under waste/) may import units of lower tiers only;
 # units of one tier do not import each other.
 TIERS = [
-    {"errors", "version"},
+    {"errors", "version", "kernel_cache"},
     {"units", "params", "timing", "numba_ptr"},
     {"container", "quant"},
     {"layers"},

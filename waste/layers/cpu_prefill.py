@@ -19,7 +19,11 @@ import torch
 
 from ..numba_ptr import at, follow_torch_threads
 from ..quant.int4pack import BLOCK
+from ..quant.q4_int8 import quantize_rows
+from ..quant.q4_numba import i8_blocks, q4_block
 from ..quant.q4_rows import block_rows
+from ..quant import q4_vnni
+from ..quant.q4_vnni import QUAD, block_rows_i8
 from .cpu_kernels import act
 from .moe_cpu import _flat
 
@@ -44,11 +48,10 @@ def _task(q, qo, sz, zo, G, N, K, b, X, xs, r0, r1, Y, ys):
     block_rows(q, qo, sz[zo:zo + G * N * 2], G, N, K, b, X, xi, nr, Y, yi, w, s, z, accs)
 
 
-@numba.njit(cache=True, parallel=True)
-def pairs_q4_rows(x_p, T, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, nth, out):
-    """out [T * k, h] (zeroed by the caller) = each pair's down(act(gate x, up x)); slots [T, k] (-1: skipped);
-    nth: numba's thread count."""
-    X, slots = at(x_p, (T, h), np.float32), at(s_p, (T * k,), np.int64)
+@numba.njit
+def _plan(slots, T, k, nth):
+    """The pairs sorted by slot (pair order within a slot) and tasks (slot, first sorted pair, last) of at most RB
+    pairs, dealt over nth threads: (order, each sorted pair's token row, tasks)."""
     nsl = 0
     for p in range(T * k):
         nsl = max(nsl, slots[p] + 1)
@@ -65,7 +68,7 @@ def pairs_q4_rows(x_p, T, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, 
         if s >= 0:
             order[fill[s]] = p
             fill[s] += 1
-    rows, pos = order // k, np.arange(P)         # each sorted pair's token row; its row of the hidden buffer
+    rows = order // k                            # each sorted pair's token row
     # tasks: (slot, first sorted pair, last) in runs of at most RB pairs
     nt = 0
     for s in range(nsl):
@@ -85,6 +88,17 @@ def pairs_q4_rows(x_p, T, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, 
             dealt[j] = big[i]
             j += 1
     tasks = tasks[dealt]
+    return order, rows, tasks
+
+
+@numba.njit(cache=True, parallel=True)
+def pairs_q4_rows(x_p, T, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, nth, out):
+    """out [T * k, h] (zeroed by the caller) = each pair's down(act(gate x, up x)); slots [T, k] (-1: skipped);
+    nth: numba's thread count."""
+    X, slots = at(x_p, (T, h), np.float32), at(s_p, (T * k,), np.int64)
+    order, rows, tasks = _plan(slots, T, k, nth)
+    P, nt = order.shape[0], tasks.shape[0]
+    pos = np.arange(P)                           # each sorted pair's row of the hidden buffer
     H, U = np.empty((P, inter), np.float32), np.empty((P, inter), np.float32)
     nbi, nbh = (inter + BLOCK - 1) // BLOCK, (h + BLOCK - 1) // BLOCK
     for i in numba.prange(nt * nbi):             # gate and up of one block of rows, then SwiGLU on it
@@ -101,6 +115,57 @@ def pairs_q4_rows(x_p, T, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, 
               out, order)
 
 
+@numba.njit(fastmath=True, inline="always")
+def _task_i8(q, qo, sz, zo, G, N, K, b, X, XQ, D, E, S, xs, r0, r1, Y, ys):
+    """Rows xs[r0..r1] of X (rounded to int8: XQ, D, E, S) through block b of one q4 matrix into Y's rows ys[r0..r1]:
+    a full block by VNNI (quant/q4_vnni.py), a tail block by the decode row's float loop, row by row, as
+    quant/q4_numba.mv_q4_i8 splits them, so each row has the decode row's bits."""
+    szs = sz[zo:zo + G * N * 2]
+    if b < i8_blocks(N, K, G):
+        nr = r1 - r0
+        xi = xs[r0:r1].copy()
+        tile = np.empty(K // G // 4 * QUAD, np.uint8)
+        acc = np.empty((nr, BLOCK), np.float32)
+        block_rows_i8(np.int64(q.ctypes.data) + qo + b * 32 * K, np.int64(szs.ctypes.data) + b * BLOCK * 4, N,
+                      XQ, D, E, S, xi, nr, tile, acc)
+        for r in range(nr):
+            Y[ys[r0 + r], b * BLOCK:b * BLOCK + BLOCK] = acc[r]
+    else:
+        scratch = np.empty(BLOCK, np.float32)
+        for r in range(r0, r1):
+            q4_block(q, qo, szs, G, N, K, b, X[xs[r]], Y[ys[r]], scratch)
+
+
+@numba.njit(fastmath=True, cache=True, parallel=True)
+def pairs_q4_i8(x_p, T, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, nth, out):
+    """pairs_q4_rows with every input row rounded to int8 as the decode row rounds it, and full blocks multiplied
+    by VNNI: each pair's output has the bits the decode row's kernel (layers/cpu_kernels.pair_q4) gives it."""
+    X, slots = at(x_p, (T, h), np.float32), at(s_p, (T * k,), np.int64)
+    order, rows, tasks = _plan(slots, T, k, nth)
+    P, nt = order.shape[0], tasks.shape[0]
+    pos = np.arange(P)
+    G0, G1, G2 = groups[0], groups[1], groups[2]
+    XQ, D, E, S = quantize_rows(X, G0)
+    XU, DU, EU, SU = (XQ, D, E, S) if G1 == G0 else quantize_rows(X, G1)
+    H, U = np.empty((P, inter), np.float32), np.empty((P, inter), np.float32)
+    nbi, nbh = (inter + BLOCK - 1) // BLOCK, (h + BLOCK - 1) // BLOCK
+    for i in numba.prange(nt * nbi):
+        s, a, e = tasks[i // nbi, 0], tasks[i // nbi, 1], tasks[i // nbi, 2]
+        b = i % nbi
+        _task_i8(gq, os[0, 0] + s * os[0, 1], gz, os[1, 0] + s * os[1, 1], G0, inter, h, b, X, XQ, D, E, S, rows,
+                 a, e, H, pos)
+        _task_i8(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], G1, inter, h, b, X, XU, DU, EU, SU, rows,
+                 a, e, U, pos)
+        for r in range(a, e):
+            for n in range(b * BLOCK, min(inter, b * BLOCK + BLOCK)):
+                H[r, n] = act(H[r, n], U[r, n], limit)
+    HQ, HD, HE, HS = quantize_rows(H, G2)
+    for i in numba.prange(nt * nbh):
+        s, a, e = tasks[i // nbh, 0], tasks[i // nbh, 1], tasks[i // nbh, 2]
+        _task_i8(dq, os[4, 0] + s * os[4, 1], dz, os[5, 0] + s * os[5, 1], G2, h, inter, i % nbh, H, HQ, HD, HE, HS,
+                 pos, a, e, out, order)
+
+
 class GroupedRows:
     """The prefill kernel for one bank of q4 records (SwiGLU, no biases): flat views of its parts made once."""
 
@@ -112,6 +177,7 @@ class GroupedRows:
         self.groups = np.array([parts[m]["sz"].shape[1] for m in ("gate", "up", "down")], np.int64)
         self.inter = bank.shapes["gate"][0]
         self.limit = np.float32(bank.limit if bank.limit is not None else -1.0)
+        self.fn = pairs_q4_i8 if q4_vnni.serves(*bank.shapes["gate"]) else pairs_q4_rows
 
     def __call__(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """x [T, h] float32, slots [T, k] (-1: left zero) -> [T, k, h]."""
@@ -120,19 +186,20 @@ class GroupedRows:
         x = x if x.is_contiguous() else x.contiguous()
         slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
         follow_torch_threads()
-        pairs_q4_rows(x.data_ptr(), T, h, slots.data_ptr(), k, *self.arrays, self.os, self.groups, self.inter,
-                      self.limit, numba.get_num_threads(), out.reshape(T * k, h))
+        self.fn(x.data_ptr(), T, h, slots.data_ptr(), k, *self.arrays, self.os, self.groups, self.inter, self.limit,
+                numba.get_num_threads(), out.reshape(T * k, h))
         return torch.from_numpy(out)
 
 
 def usable(bank) -> bool:
     """q4 records with SwiGLU (clamped or not) and no biases, on the CPU, in the stored layout (a torch build whose
-    int4 operand differs has the records repacked in their slots: runtime/cache.py)."""
+    int4 operand differs has the records repacked in their slots: runtime/cache.py): the VNNI rows where they serve,
+    else only records small enough for the float tiles to beat torch's int4 kernel."""
     from . import moe_cpu
 
     (N, K) = bank.shapes["gate"]
-    return (bank.fmt.kind == "q4" and not bank.fmt.needs_prepare() and moe_cpu.usable(bank) and N * K <= MAX_WEIGHTS
-            and bank.parts["gate"]["q"].device.type == "cpu")
+    return (bank.fmt.kind == "q4" and not bank.fmt.needs_prepare() and moe_cpu.usable(bank)
+            and (q4_vnni.serves(N, K) or N * K <= MAX_WEIGHTS) and bank.parts["gate"]["q"].device.type == "cpu")
 
 
 def warm() -> None:
@@ -146,7 +213,8 @@ def warm() -> None:
     f32, i64, h, inter, k = np.float32, np.int64, 64, 64, 2
     x, slots = torch.zeros(2, h), torch.zeros(2, k, dtype=torch.int64)
     nib, sz = np.zeros(h * inter // 2, np.uint8), np.zeros(h * inter, np.uint16)
-    pairs_q4_rows(x.data_ptr(), 2, h, slots.data_ptr(), k, nib, sz, nib, sz, nib, sz, np.zeros((6, 2), i64),
-                  np.ones(3, i64), inter, f32(-1), 1, np.zeros((2 * k, h), f32))
+    for fn in (pairs_q4_i8, pairs_q4_rows) if q4_vnni.available() else (pairs_q4_rows,):
+        fn(x.data_ptr(), 2, h, slots.data_ptr(), k, nib, sz, nib, sz, nib, sz, np.zeros((6, 2), i64),
+           np.ones(3, i64), inter, f32(-1), 1, np.zeros((2 * k, h), f32))
     q = torch.zeros(h, h // 2, dtype=torch.uint8)
     q4_rows.unpack_rows_t(q.data_ptr(), q.data_ptr(), h, h, 1, 0, h, np.zeros((h, h), f32))

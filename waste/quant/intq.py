@@ -102,6 +102,12 @@ def _q4_rows():
     return q4_rows
 
 
+def _q4_vnni():
+    from . import q4_vnni       # imports numba, as above
+
+    return q4_vnni
+
+
 class Q4(Format):
     bits, kind = 4.0, "q4"
     kernel_dtype = torch.bfloat16      # int4pack.int4_mm runs a float32 x as bf16
@@ -168,7 +174,9 @@ class Q4(Format):
         if (x.shape[0] > 1 and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
                 and (int4pack.native() or not int4pack.kernel_ok(N, K, g))
                 and parts["q"].is_contiguous() and parts["sz"].is_contiguous()):
-            return _q4_rows().linear_rows(x, parts, shape)      # a prefill chunk: unpacked once, one sgemm
+            if _q4_vnni().serves(N, K):      # a prefill chunk: int8 rows by VNNI, each the decode row's bits
+                return _q4_vnni().linear(x, parts, shape)
+            return _q4_rows().linear_rows(x, parts, shape)      # else unpacked once, one sgemm
         if not int4pack.kernel_ok(N, K, g) or x.shape[0] > self.dequant_rows:
             return F.linear(x, self.unpack(parts, shape, x.dtype))      # (prepare() leaves these parts as stored)
         q = parts["q"]

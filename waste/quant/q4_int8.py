@@ -100,23 +100,51 @@ def block_out(typingctx, q_a, sz_a, N, xq, d, d8sq, sx, y, y0):
     return types.void(types.int64, types.int64, types.int64, xq, d, d8sq, sx, y, types.int64), codegen
 
 
-@numba.njit(fastmath=True, inline="always")
+@numba.njit(nogil=True)
 def quantize_row(x, G, xq, d, d8sq, sx):
-    """x float32 [K] -> xq int16 [K] in [-127, 127] with one scale d[g] a group; d8sq[g] = 8 d[g] sum(xq) (the
-    nibbles' offset of 8, folded), sx[g] = the group's float sum (the zero points')."""
+    """x float32 [K] -> xq int16 or int8 [K] in [-127, 127] with one scale d[g] a group; d8sq[g] = 8 d[g] sum(xq)
+    (the nibbles' offset of 8, folded), sx[g] = the group's float sum (the zero points').
+
+    No fast-math and not inlined: the float sum is 16 running lanes (k mod 16) added in one fixed tree, so its bits
+    are the same in every kernel that calls this (the decode row, the prefill chunk: quant/q4_vnni.py), which a
+    sum the vectoriser may reassociate per call site would not be."""
     K = x.shape[0]
     gs = K // G
+    lanes = np.empty(16, np.float32)
     for g in range(G):
         m = np.float32(0.0)
-        t = np.float32(0.0)
-        for k in range(g * gs, g * gs + gs):
+        lanes[:] = 0.0
+        k0 = g * gs
+        for k in range(k0, k0 + gs):
             m = max(m, abs(x[k]))
-            t += x[k]
+        for k in range(k0, k0 + gs - gs % 16, 16):
+            for j in range(16):
+                lanes[j] += x[k + j]
+        for k in range(k0 + gs - gs % 16, k0 + gs):
+            lanes[k % 16] += x[k]
+        w = 8
+        while w:
+            for j in range(w):
+                lanes[j] += lanes[j + w]
+            w //= 2
+        t = lanes[0]
         dg = m / np.float32(127.0)
         inv = np.float32(1.0) / dg if m > 0 else np.float32(0.0)
         s = 0
-        for k in range(g * gs, g * gs + gs):
+        for k in range(k0, k0 + gs):
             v = np.int32(np.rint(x[k] * inv))
             xq[k] = v
             s += v
         d[g], d8sq[g], sx[g] = dg, dg * np.float32(8 * s), t
+
+
+@numba.njit(fastmath=True, parallel=True)
+def quantize_rows(X, G):
+    """Each row of X [R, K] rounded to int8 by quantize_row (the decode row's rounding): (xq int8 [R, K], d, d8sq,
+    sx float32 [R, G])."""
+    R, K = X.shape
+    XQ, D = np.empty((R, K), np.int8), np.empty((R, G), np.float32)
+    E, S = np.empty((R, G), np.float32), np.empty((R, G), np.float32)
+    for r in numba.prange(R):
+        quantize_row(X[r], G, XQ[r], D[r], E[r], S[r])
+    return XQ, D, E, S
