@@ -305,8 +305,8 @@ def _numba_rows(x: torch.Tensor, bank: Bank):
 
 
 def _numba_row(x: torch.Tensor, bank: Bank) -> bool:
-    return (x.shape[0] == 1 and x.dtype in ROW_DTYPES and x.device.type == "cpu"
-            and bank.row_kernel() is not None)
+    """Whether x is one decode row that numba's row kernel computes."""
+    return x.shape[0] == 1 and _numba_rows(x, bank) is not None
 
 
 def spread(x: torch.Tensor, groups, bank: Bank, kernel: Kernel, pool) -> torch.Tensor:

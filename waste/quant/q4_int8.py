@@ -100,6 +100,18 @@ def block_out(typingctx, q_a, sz_a, N, xq, d, d8sq, sx, y, y0):
     return types.void(types.int64, types.int64, types.int64, xq, d, d8sq, sx, y, types.int64), codegen
 
 
+@intrinsic
+def _abs_bits(typingctx, v):            # |v|'s bits as an int32: ordered as |v| is (an integer max vectorises exactly)
+    def codegen(context, builder, sig, args):
+        return builder.and_(builder.bitcast(args[0], _I32), ir.Constant(_I32, 0x7FFFFFFF))
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, v):            # the float32 whose bits are v
+    return types.float32(types.int32), lambda context, builder, sig, args: builder.bitcast(args[0], _F32)
+
+
 @numba.njit(nogil=True)
 def quantize_row(x, G, xq, d, d8sq, sx):
     """x float32 [K] -> xq int16 or int8 [K] in [-127, 127] with one scale d[g] a group; d8sq[g] = 8 d[g] sum(xq)
@@ -107,16 +119,17 @@ def quantize_row(x, G, xq, d, d8sq, sx):
 
     No fast-math and not inlined: the float sum is 16 running lanes (k mod 16) added in one fixed tree, so its bits
     are the same in every kernel that calls this (the decode row, the prefill chunk: quant/q4_vnni.py), which a
-    sum the vectoriser may reassociate per call site would not be."""
+    sum the vectoriser may reassociate per call site would not be; the max is taken on the bits (exact)."""
     K = x.shape[0]
     gs = K // G
     lanes = np.empty(16, np.float32)
     for g in range(G):
-        m = np.float32(0.0)
-        lanes[:] = 0.0
         k0 = g * gs
+        mb = np.int32(0)
         for k in range(k0, k0 + gs):
-            m = max(m, abs(x[k]))
+            mb = max(mb, _abs_bits(x[k]))
+        m = _f32_bits(mb)
+        lanes[:] = 0.0
         for k in range(k0, k0 + gs - gs % 16, 16):
             for j in range(16):
                 lanes[j] += x[k + j]
@@ -127,15 +140,14 @@ def quantize_row(x, G, xq, d, d8sq, sx):
             for j in range(w):
                 lanes[j] += lanes[j + w]
             w //= 2
-        t = lanes[0]
         dg = m / np.float32(127.0)
         inv = np.float32(1.0) / dg if m > 0 else np.float32(0.0)
-        s = 0
+        s = np.int32(0)
         for k in range(k0, k0 + gs):
             v = np.int32(np.rint(x[k] * inv))
             xq[k] = v
             s += v
-        d[g], d8sq[g], sx[g] = dg, dg * np.float32(8 * s), t
+        d[g], d8sq[g], sx[g] = dg, dg * np.float32(8 * s), lanes[0]
 
 
 @numba.njit(fastmath=True, parallel=True)
