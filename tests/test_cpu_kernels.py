@@ -44,7 +44,10 @@ def test_q4_decode_row_is_the_product_with_the_int8_rounded_row_at_any_thread_co
         assert torch.equal(fmt.linear(x, parts, shape), got[1][0])   # Q4.linear's decode row takes this kernel
 
 
-@pytest.mark.parametrize("shape", [(4096, 512), (96, 320), (320, 96), (130, 70), (16, 40), (6, 64), (8, 16), (3, 16)])
+# (4096, 512), (601, 224), (530, 200): above q8_numba.VNNI_MIN (the VNNI row where the host has it: an even and an
+# odd count of 32-blocks, a row count past whole passes and tasks, a K past the last block); the rest below it
+@pytest.mark.parametrize("shape", [(4096, 512), (601, 224), (530, 200), (96, 320), (320, 96), (130, 70), (16, 40),
+                                   (6, 64), (8, 16), (3, 16)])
 def test_q8_decode_row_is_the_product_with_the_int8_rounded_row_at_any_thread_count(shape, threads):
     from waste.quant.linear import QuantWeight
 
