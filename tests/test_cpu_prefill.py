@@ -138,6 +138,10 @@ def test_q4_vnni_rows_are_the_decode_rows(shape, threads):
         ref = row_product(fmt, x[i:i + 1], parts, shape)
         assert ((got[1][i].double() - ref[0]).norm() / ref.norm()).item() < 1e-6
     assert torch.equal(q4_vnni.linear(x[5:8], parts, shape), got[1][5:8])
+    if q4_vnni.serves(*shape):                            # Q4.linear takes it, for bf16 rows too (widened, rounded)
+        assert torch.equal(fmt.linear(x, parts, shape), got[1])
+        xb = x.bfloat16()
+        assert torch.equal(fmt.linear(xb, parts, shape), q4_vnni.linear(xb.float(), parts, shape).bfloat16())
 
 
 @vnni
@@ -167,3 +171,36 @@ def test_grouped_q4_vnni_pairs_are_the_decode_pairs(h, inter, limit, threads):
     held = torch.where(slots % 2 == 0, slots, -1)
     part = expert_pairs(x, held, bank, kernel, complete=False)
     assert torch.equal(part[held >= 0], got[1][held >= 0]) and not part[held < 0].any()
+    xb = x.bfloat16()                                     # bf16 compute: widened, the pairs rounded back, as a row
+    got_b = kernel(xb, slots, bank)
+    assert got_b.dtype == torch.bfloat16 and torch.equal(got_b, kernel(xb.float(), slots, bank).bfloat16())
+    assert torch.equal(got_b, torch.cat([expert_pairs(xb[t:t + 1], slots[t:t + 1], bank, kernel, False)
+                                         for t in range(T)]))
+
+
+@vnni
+@pytest.mark.parametrize("shape", [(320, 320), (5120, 256), (128, 544)])
+def test_q8_trunk_rows_by_vnni(shape, threads):
+    """A prefill chunk through a q8 trunk matrix (quant/linear.py -> quant/q8_rows.py): each row within 1e-6 of the
+    product with the row rounded to int8 in blocks of 32 (tests/rowref.py), the same bits at 1 and 2 threads and
+    whatever rows share the call, bf16 rows widened and rounded back; Q8.linear itself (the experts' pairs) stays
+    the float32 product with the unrounded row."""
+    from waste.quant import q8_rows
+    from waste.quant.linear import QuantWeight, linear
+    from rowref import q8_row_product
+
+    fmt, g = get_format("q8"), torch.Generator().manual_seed(5)
+    parts = fmt.pack(torch.randn(shape, generator=g) / shape[1] ** 0.5)
+    w = QuantWeight(fmt, parts, shape)
+    assert q8_rows.serves(*shape)
+    x = torch.randn(70, shape[1], generator=g)
+    got = _at_threads(lambda: linear(x, w))
+    assert torch.equal(got[1], got[2])
+    for i in (0, 37, 69):
+        ref = q8_row_product(fmt, x[i:i + 1], parts, shape)
+        assert ((got[1][i].double() - ref[0]).norm() / ref.norm()).item() < 1e-6
+    assert torch.equal(linear(x[3:9], w), got[1][3:9])
+    xb = x.bfloat16()
+    assert torch.equal(linear(xb, w), linear(xb.float(), w).bfloat16())
+    exact = x.double() @ fmt.unpack(parts, shape, torch.float64).T
+    assert ((fmt.linear(x, parts, shape).double() - exact).norm() / exact.norm()).item() < 1e-6

@@ -180,15 +180,16 @@ class GroupedRows:
         self.fn = pairs_q4_i8 if q4_vnni.serves(*bank.shapes["gate"]) else pairs_q4_rows
 
     def __call__(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """x [T, h] float32, slots [T, k] (-1: left zero) -> [T, k, h]."""
-        (T, h), k = x.shape, slots.shape[1]
+        """x [T, h] float32 or bf16 (widened, and the pairs rounded back: as the decode row does), slots [T, k] (-1:
+        left zero) -> [T, k, h]."""
+        (T, h), k, dt = x.shape, slots.shape[1], x.dtype
         out = np.zeros((T, k, h), np.float32)
-        x = x if x.is_contiguous() else x.contiguous()
+        x = x.float() if dt != torch.float32 else x if x.is_contiguous() else x.contiguous()
         slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
         follow_torch_threads()
         self.fn(x.data_ptr(), T, h, slots.data_ptr(), k, *self.arrays, self.os, self.groups, self.inter, self.limit,
                 numba.get_num_threads(), out.reshape(T * k, h))
-        return torch.from_numpy(out)
+        return torch.from_numpy(out) if dt == torch.float32 else torch.from_numpy(out).to(dt)
 
 
 def usable(bank) -> bool:

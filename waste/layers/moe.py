@@ -289,19 +289,17 @@ def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, b
 def prefill_pairs(x: torch.Tensor, slots: torch.Tensor, bank: Bank) -> torch.Tensor:
     """A prefill chunk's pairs (of any row count: expert parallel hands a rank the rows routed to it, one or more) as
     one process computes them, each pair exact whatever else is in the call: the grouped numba kernel where it
-    serves (q4 records on the CPU, float32 rows), else one matmul per expert over all its rows (segments)."""
-    rk = bank.rows_kernel() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+    serves (q4 records on the CPU, float32 or bf16 rows), else one matmul per expert over all its rows (segments)."""
+    rk = bank.rows_kernel() if x.dtype in ROW_DTYPES and x.device.type == "cpu" else None
     return rk(x, slots) if rk is not None else segments(x, slots, bank)
 
 
 def _numba_rows(x: torch.Tensor, bank: Bank):
-    """The numba kernel for these CPU rows' pairs: the decode row's at one row (float32 or bf16), the prefill
-    chunk's above (q4 records, float32), or None."""
-    if x.device.type != "cpu":
+    """The numba kernel for these CPU rows' pairs (float32 or bf16 rows): the decode row's at one row, the prefill
+    chunk's above (q4 records), or None."""
+    if x.device.type != "cpu" or x.dtype not in ROW_DTYPES:
         return None
-    if x.shape[0] == 1:
-        return bank.row_kernel() if x.dtype in ROW_DTYPES else None
-    return bank.rows_kernel() if x.dtype == torch.float32 else None
+    return bank.row_kernel() if x.shape[0] == 1 else bank.rows_kernel()
 
 
 def _numba_row(x: torch.Tensor, bank: Bank) -> bool:

@@ -171,12 +171,14 @@ class Q4(Format):
             rk = self.row_kernel(parts, shape)
             if rk is not None:
                 return rk(x)
-        if (x.shape[0] > 1 and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
+        if (x.shape[0] > 1 and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
                 and (int4pack.native() or not int4pack.kernel_ok(N, K, g))
                 and parts["q"].is_contiguous() and parts["sz"].is_contiguous()):
             if _q4_vnni().serves(N, K):      # a prefill chunk: int8 rows by VNNI, each the decode row's bits
-                return _q4_vnni().linear(x, parts, shape)
-            return _q4_rows().linear_rows(x, parts, shape)      # else unpacked once, one sgemm
+                y = _q4_vnni().linear(x.float(), parts, shape)          # (bf16 widened and rounded back, as a row)
+                return y if x.dtype == torch.float32 else y.to(x.dtype)
+            if x.dtype == torch.float32:
+                return _q4_rows().linear_rows(x, parts, shape)  # else unpacked once, one sgemm
         if not int4pack.kernel_ok(N, K, g) or x.shape[0] > self.dequant_rows:
             return F.linear(x, self.unpack(parts, shape, x.dtype))      # (prepare() leaves these parts as stored)
         q = parts["q"]

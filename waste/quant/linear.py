@@ -14,6 +14,12 @@ from .formats import get_format
 ROW_DTYPES = (torch.float32, torch.bfloat16)      # decode rows that take a format's numba row kernel
 
 
+def _q8_rows():
+    from . import q8_rows       # imports numba: only when a CPU prefill chunk first needs it
+
+    return q8_rows
+
+
 class QuantWeight:
     """A matrix kept in its stored format; multiplied through the format's own kernel."""
 
@@ -58,7 +64,13 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
                 # the kernels compute in float32: a bf16 row (models above 2 GiB) is widened and the result rounded
                 y = rk(x) if x.dtype == torch.float32 else rk(x.float()).to(x.dtype)
                 return y if bias is None else y + bias.to(y.dtype)
-        if x.dim() == 2:            # rows already: no reshapes (each is an operator a decode step pays for)
+        if x.dim() == 2 and x.shape[0] > 1 and x.dtype in ROW_DTYPES and x.device.type == "cpu" and (
+                w.fmt.kind == "q8" and _q8_rows().serves(*w.shape) and w.parts["q"].is_contiguous()
+                and w.parts["scale"].dtype == torch.float32):
+            # a prefill chunk through a q8 trunk matrix: int8 rows by VNNI (4x torch's kernel at the 30B shape;
+            # the trunk's only: Q8.linear itself stays float32-exact for the experts' pairs)
+            y = _q8_rows().linear(x, w.parts, w.shape)
+        elif x.dim() == 2:          # rows already: no reshapes (each is an operator a decode step pays for)
             y = w.fmt.linear(x, w.parts, w.shape)
         else:
             lead = x.shape[:-1]
