@@ -179,3 +179,30 @@ def test_gqa_decode_row_against_float64_and_its_cache_write(dtype, threads):
     torch.set_num_threads(1)
     K[n], V[n] = K0[n], V0[n]
     assert torch.equal(attention_cpu.gqa_row(qkv, H, G, qn, kn, 1e-6, cos, sin, K, V, n), out)   # heads: same bits
+
+
+def test_exact_helpers_never_inherit_fast_math():
+    """numba compiles a helper whose `fastmath` is not set with the flags of the first kernel that calls it (its
+    options inherit from the caller being compiled): quantize_row and act, shared by fast-math decode kernels and the
+    prefill kernels, would then have bits that depend on which kernel a process compiled first (docs/LEARNED.md
+    §10f). They set fastmath=False themselves; here a fast-math caller compiles first and their IR stays exact."""
+    import numba
+
+    from waste.layers.cpu_kernels import act
+    from waste.quant.q4_int8 import quantize_row
+    from waste.quant.q4_rows import block_rows
+
+    for f in (act, quantize_row, block_rows):
+        assert f.targetoptions.get("fastmath") is False, f.__name__
+
+    @numba.njit(fastmath=True)
+    def caller(x, xq, d, e, s):
+        quantize_row(x, 4, xq, d, e, s)
+        return act(x[0], x[1], np.float32(-1.0))
+
+    x = np.random.default_rng(0).standard_normal(128).astype(np.float32)
+    d, e, s = (np.empty(4, np.float32) for _ in range(3))
+    caller(x, np.empty(128, np.int8), d, e, s)
+    for f in (act, quantize_row):
+        for ir in f.inspect_llvm().values():
+            assert " fast " not in ir and "reassoc" not in ir, f.__name__

@@ -2,9 +2,8 @@
 
 numba decides that a cached kernel is still good from its own file's modification time alone. Most of our kernels
 inline helpers and LLVM IR from other files (quant/q4_int8.py into layers/cpu_kernels.py, ...): after a change to a
-helper's file (a `git pull`, an edit) the old machine code would load, silently giving other bits than the source
-(seen while building quant/q4_vnni.py: the prefill and decode rows disagreed until the cache was cleared). Keying the
-whole cache on every file's (path, mtime, size) makes any change start a fresh cache. Set NUMBA_CACHE_DIR to choose
+helper's file (a `git pull`, an edit) the old machine code would load, silently giving other bits than the source.
+Keying the whole cache on every file's (path, mtime, size) makes any change start a fresh cache. Set NUMBA_CACHE_DIR to choose
 the place yourself (then nothing here applies).
 """
 from __future__ import annotations

@@ -53,7 +53,7 @@ def _bits(typingctx, v):               # the bits of a float32
     return types.uint32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, fastmath=False)
 def act(g, u, limit):                  # swiglu_act: silu(min(g, L)) * clamp(u, -L, L), or silu(g) * u
     # no fast-math, not inlined into the (fast-math) kernels: a fast division may be a reciprocal estimate in one
     # loop's vector form and exact in another's, and prefill and decode must give a pair the same bits

@@ -112,7 +112,7 @@ def _f32_bits(typingctx, v):            # the float32 whose bits are v
     return types.float32(types.int32), lambda context, builder, sig, args: builder.bitcast(args[0], _F32)
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, fastmath=False)
 def quantize_row(x, G, xq, d, d8sq, sx):
     """x float32 [K] -> xq int16 or int8 [K] in [-127, 127] with one scale d[g] a group; d8sq[g] = 8 d[g] sum(xq)
     (the nibbles' offset of 8, folded), sx[g] = the group's float sum (the zero points').

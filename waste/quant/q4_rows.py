@@ -100,7 +100,7 @@ def acc_rows(w, gs, nb, X, xi, nr, g, accs):
                     accs[r + i, jj] = fma(w[kk, jj], xk, accs[r + i, jj])
 
 
-@numba.njit
+@numba.njit(fastmath=False)
 def block_rows(q, o, szs, G, N, K, b, X, xi, nr, Y, yi, w, s, z, accs):
     """Y[yi[r], block b's rows] = W[block b] @ X[xi[r]] for r < nr of one q4 matrix W [N, K] (nibbles from q[o],
     bf16 scale/zero pairs szs [G, N, 2]); xi holds nr rounded up to 4 entries (the extra rows computed, not kept).
