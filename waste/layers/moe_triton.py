@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..quant.lowbit import E2M1
+from . import q4_tiled
 from .moe import Bank, register, segments
 
 # tiles per format kind (rows per program, columns per step, warps): the fastest of those timed on the H200 inside
@@ -28,6 +29,8 @@ TILES = {"float": (16, 256, 8), "q8": (16, 256, 8), "q4": (16, 64, 4), "mxfp4": 
 # programs) is opt-in (Q4_BLOCK): on the H200 a 48-layer decode step took 7.6 ms with it, 5.9 with the any-row
 # kernel (docs/LEARNED.md §10b; §10 had measured its first form, one byte column at a time, worse too)
 Q4_BLOCK = False
+# q4 decode pairs through q4_tiled (coalesced tiles, K split over programs): the default where its shapes serve
+Q4_TILED = True
 
 
 @triton.jit
@@ -348,14 +351,16 @@ def weighted_pairs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
     xk = (x if kd is None or x.dtype == kd else x.to(kd)).contiguous()
     flat = slots.reshape(-1).contiguous()
     P = flat.numel()
+    N, K = bank.shapes["down"]
+    wt = weights.reshape(-1).float().contiguous()
+    if kind == "q4" and Q4_TILED and not Q4_BLOCK and q4_tiled.serves(bank):
+        return q4_tiled.weighted_pairs(xk, flat, wt, bank, k, _delta, **tune).view(T, k, N)
     inter = bank.shapes["gate"][0]
     gu = torch.empty(2, P, inter, dtype=xk.dtype, device=x.device)
     matvec(("gate", "up"), xk, flat, bank, gu, k, **tune)
-    N, K = bank.shapes["down"]
     dbn, dbk, dw = DOWN_TILES[kind]
     bn, warps = bn or dbn, warps or dw
     y = torch.empty(P, N, dtype=torch.float32, device=x.device)
-    wt = weights.reshape(-1).float().contiguous()
     ps = bank.parts["down"]
     lim = bank.limit is not None
     limit = bank.limit if lim else 0.0

@@ -1,0 +1,44 @@
+#!/bin/bash
+# One GPU call for issue 14's q4 tiles (docs/LEARNED.md §10g): the kernels' tests compiled, the launches alone
+# (benchmarks/q4_tiles.py: every tile against the kernels before), all 48 layers with the fastest tiles against the
+# fused kernels before and the torch path, Kimi-Linear, then the GPU tests (STEPS: of 12345, LIMIT seconds in all).
+#   bash benchmarks/cuda_q4_call.sh OUT [STEPS] [LIMIT]   (repository root, waste installed)
+set -o pipefail
+OUT=${1:-/tmp/cuda-call}
+STEPS=${2:-1234}
+LIMIT=${3:-540}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+step() { echo "=== $(date +%T) ${SECONDS}s $*"; }
+step setup
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+TILES=${TILES:-}
+if [[ $STEPS == *1* ]]; then
+  step "1: the tiled kernels compiled, against the unpacked matrices and the kernels before"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_q4_tiled.py tests/test_decode_triton.py \
+    tests/test_moe_triton.py 2>&1 | tail -4
+fi
+if [[ $STEPS == *2* ]]; then
+  step "2: the launches alone, every tile"
+  timeout 150 python3 benchmarks/q4_tiles.py --best "$OUT/best.txt" 2>&1 | tee "$OUT/tiles.txt" | grep -E "HBM copy|untiled|block|top|best|rror"
+  [[ -z $TILES && -s $OUT/best.txt ]] && TILES=$(cat "$OUT/best.txt")
+fi
+TARG=${TILES:+--q4-tiles $TILES}
+if [[ $STEPS == *3* ]]; then
+  step "3: all 48 layers, q4, fused (tiled $TILES) / untiled / torch"
+  timeout 170 python3 benchmarks/gpu_profile.py random:qwen3-30b-a3b,experts=q4 -n 48 --rounds 3 --profile 1 \
+    --arms fused,untiled,torch $TARG --json "$OUT/profile48.json" 2>&1 | grep -v -i warn
+fi
+if [[ $STEPS == *5* ]]; then
+  step "5: the GPU tests"
+  timeout $((LIMIT - SECONDS - 10)) python3 -m pytest -rA -q -p no:cacheprovider tests/test_cuda.py \
+    tests/test_cuda_families.py tests/test_moe_triton.py tests/test_static_decode.py tests/test_vram_tier.py \
+    tests/test_decode_triton.py tests/test_q4_tiled.py 2>&1 | tee "$OUT/gpu_tests.txt" \
+    | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error" | tail -80
+fi
+if [[ $STEPS == *4* ]]; then
+  step "4: Kimi-Linear, q4, fused / untiled / torch (in the time left)"
+  timeout $((LIMIT - SECONDS - 5)) python3 benchmarks/gpu_profile.py random:kimi-linear-48b-a3b,experts=q4 -n 32 \
+    --rounds 2 --profile 0 --arms fused,untiled,torch $TARG --json "$OUT/kimi.json" 2>&1 | grep -v -i warn
+fi
+step done
