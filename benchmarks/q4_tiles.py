@@ -28,8 +28,8 @@ from waste.layers import moe_triton, q4_tiled  # noqa: E402
 from waste.layers.moe import MATRICES, Bank  # noqa: E402
 from waste.quant.formats import get_format  # noqa: E402
 
-GU = [(1, 2, 4), (1, 4, 8), (2, 2, 4), (4, 1, 4), (4, 2, 4), (4, 4, 8), (8, 1, 4), (8, 2, 4), (16, 1, 4), (8, 1, 8)]
-DOWN = [(1, 2, 4), (1, 4, 8), (2, 2, 4), (3, 1, 4), (3, 2, 4), (3, 4, 4), (6, 1, 4), (6, 2, 4), (12, 1, 4)]
+GU = [(1, 4, 8), (2, 2, 4), (2, 4, 8), (4, 1, 4), (4, 2, 4), (4, 4, 8), (8, 1, 4), (8, 2, 8), (16, 1, 4)]
+DOWN = [(1, 2, 4), (1, 4, 8), (1, 6, 8), (2, 2, 4), (2, 3, 8), (3, 1, 4), (3, 4, 8), (6, 1, 4)]
 
 
 def random_bank(h: int, inter: int, n: int) -> tuple[Bank, int]:

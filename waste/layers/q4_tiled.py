@@ -25,12 +25,20 @@ DOWN = (3, 2, 4)
 
 
 @triton.jit
+def _bf16_pair(v):
+    # an int32 holding two bf16 (the low half first in memory): both as float32, by their bits
+    return (v << 16).to(tl.float32, bitcast=True), ((v >> 16) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _tiled(x_ptr, sx, KDIV, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, y_ptr, sy, ssplit, K, NBLK, DW, DS, DY, KCH,
            DU, wt_ptr, limit, G: tl.constexpr, NG: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
            WEIGHTED: tl.constexpr):
     # grid (pair, block of 64 rows x matrix, split). x: pair p's row x[p // KDIV] (ACT: its gate and up outputs, up
-    # DU elements after gate, SwiGLU applied as read); sz: (scale, zero) pairs per (group, row); WEIGHTED: times the
-    # pair's routing weight. Rows of a -1 pair (not held) are stored zero.
+    # DU elements after gate, SwiGLU applied as read); sz: int32 words, a (scale, zero) bf16 pair each per (group,
+    # row), so a thread's 16 rows' pairs are 64 contiguous bytes (2-byte loads of each half, 64 a thread a group, had
+    # cost more than the weights' one 16-byte load); WEIGHTED: times the pair's routing weight. Rows of a -1 pair
+    # (not held) are stored zero.
     p = tl.program_id(0)
     slot = tl.load(slot_ptr + p).to(tl.int64)
     held = slot >= 0
@@ -41,8 +49,8 @@ def _tiled(x_ptr, sx, KDIV, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, y_ptr, sy, ss
     kk = tl.arange(0, G)
     qblk = q_ptr + which * DW + slot * qs + blk.to(tl.int64) * K * 32
     rows = blk * 64 + j
-    s_lo = sz_ptr + which * DS + slot * szs + rows.to(tl.int64) * 2
-    s_hi = s_lo + 64
+    s_lo = sz_ptr + which * DS + slot * szs + rows.to(tl.int64)      # a row's (scale, zero) bf16 pair as one int32
+    s_hi = s_lo + 32
     xrow = x_ptr + (p // KDIV) * sx
     acc_lo = tl.zeros([G, 32], tl.float32)
     acc_hi = tl.zeros([G, 32], tl.float32)
@@ -61,10 +69,8 @@ def _tiled(x_ptr, sx, KDIV, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, y_ptr, sy, ss
                 xv = tl.load(xrow + k).to(tl.float32)
             b = tl.load(qblk + k[:, None].to(tl.int64) * 32 + j[None, :]).to(tl.int32)
             gs = ((k0 + i * G) // G) * szg
-            sl = tl.load(s_lo + gs).to(tl.float32)
-            zl = tl.load(s_lo + gs + 1).to(tl.float32)
-            sh = tl.load(s_hi + gs).to(tl.float32)
-            zh = tl.load(s_hi + gs + 1).to(tl.float32)
+            sl, zl = _bf16_pair(tl.load(s_lo + gs))
+            sh, zh = _bf16_pair(tl.load(s_hi + gs))
             # a nibble's float by its bits (2^23 + q), not a conversion instruction: exact, and cheaper
             ql = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
             qh = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
@@ -117,8 +123,14 @@ def serves(bank) -> bool:
     pairs adjacent per row."""
     I, H = bank.shapes["gate"]
     return I % 64 == 0 and H % 64 == 0 and all(
-        bank.shapes[m][1] // sz.shape[1] >= 16 and sz.stride()[-2:] == (2, 1)
+        bank.shapes[m][1] // sz.shape[1] >= 16 and sz.stride()[-2:] == (2, 1) and sz.stride(0) % 2 == 0
+        and sz.storage_offset() % 2 == 0
         for m, sz in ((m, bank.parts[m]["sz"]) for m in ("gate", "up", "down")))
+
+
+def _words(sz: torch.Tensor) -> torch.Tensor:
+    """[slots, K/g, N, 2] bf16 (scale, zero) pairs as [slots, K/g, N] int32 words."""
+    return sz.view(torch.int32)[..., 0]
 
 
 def _launch(x, sx, kdiv, flat, q, sz, dq, dsz, y, sy, ssplit, dy, N, K, nmat, split, ng, warps, act=False, du=0,
@@ -140,16 +152,17 @@ def weighted_pairs(xk: torch.Tensor, flat: torch.Tensor, wt: torch.Tensor, bank,
     G = H // gp["sz"].shape[1]
     s1, n1 = fit(H, G, *(gu or GU)[:2])
     w1 = (gu or GU)[2]
-    dq, dsz = delta(gp["q"], bank.parts["up"]["q"]), delta(gp["sz"], bank.parts["up"]["sz"])
+    gz, dz = _words(gp["sz"]), _words(dp["sz"])
+    dq, dsz = delta(gp["q"], bank.parts["up"]["q"]), delta(gz, _words(bank.parts["up"]["sz"]))
     lim = bank.limit
     if s1 == 1:       # no partials: gate and up rows in the row dtype, SwiGLU applied as the down launch reads them
         a = torch.empty(2, P, I, dtype=xk.dtype, device=xk.device)
-        _launch(xk, xk.stride(0), kdiv, flat, gp["q"], gp["sz"], dq, dsz, a, a.stride(1), 0, a.stride(0), I, H, 2,
+        _launch(xk, xk.stride(0), kdiv, flat, gp["q"], gz, dq, dsz, a, a.stride(1), 0, a.stride(0), I, H, 2,
                 1, n1, w1)
         act = dict(act=True, du=a.stride(0), limit=lim)
     else:
         part = torch.empty(s1, 2, P, I, dtype=torch.float32, device=xk.device)
-        _launch(xk, xk.stride(0), kdiv, flat, gp["q"], gp["sz"], dq, dsz, part, part.stride(2), part.stride(0),
+        _launch(xk, xk.stride(0), kdiv, flat, gp["q"], gz, dq, dsz, part, part.stride(2), part.stride(0),
                 part.stride(1), I, H, 2, s1, n1, w1)
         a = torch.empty(P, I, dtype=torch.float32, device=xk.device)
         _act_sum[(P, triton.cdiv(I, 1024))](part, s1, part.stride(0), part.stride(1), part.stride(2), a, a.stride(0),
@@ -160,6 +173,6 @@ def weighted_pairs(xk: torch.Tensor, flat: torch.Tensor, wt: torch.Tensor, bank,
     s2, n2 = fit(I, dG, *(down or DOWN)[:2])
     w2 = (down or DOWN)[2]
     y = torch.empty(s2, P, H, dtype=torch.float32, device=xk.device)
-    _launch(a, a.stride(-2), 1, flat, dp["q"], dp["sz"], 0, 0, y, y.stride(1), y.stride(0), 0, H, I, 1, s2, n2, w2,
+    _launch(a, a.stride(-2), 1, flat, dp["q"], dz, 0, 0, y, y.stride(1), y.stride(0), 0, H, I, 1, s2, n2, w2,
             wt=wt, **act)
     return y[0] if s2 == 1 else y.sum(0)
