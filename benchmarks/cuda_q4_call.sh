@@ -24,6 +24,24 @@ if [[ $STEPS == *2* ]]; then
   [[ -z $TILES && -s $OUT/best.txt ]] && TILES=$(cat "$OUT/best.txt")
 fi
 TARG=${TILES:+--q4-tiles $TILES}
+if [[ $STEPS == *6* ]]; then
+  step "6: the tiled kernels' registers and spills, their IR; ncu on one gate + up and one down launch"
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys, tarfile
+root = pathlib.Path.home() / ".triton" / "cache"
+with tarfile.open(pathlib.Path(sys.argv[1]) / "triton_ir.tgz", "w:gz") as tf:
+    for meta in root.glob("*/_tiled.json"):
+        m = json.loads(meta.read_text())
+        print(meta.parent.name[:8], {k: m.get(k) for k in ("num_warps", "n_regs", "n_spills", "shared")}, m.get("constants", ""))
+        for f in meta.parent.iterdir():
+            if f.suffix in (".ttgir", ".ptx", ".json"):
+                tf.add(f, arcname=f"{meta.parent.name[:8]}/{f.name}")
+PY
+  timeout 120 ncu --clock-control none -k regex:_tiled --launch-count 2 --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    python3 benchmarks/q4_tiles.py --tiles ${TILES:-4.1.4/1.4.8} > "$OUT/ncu.txt" 2>&1
+  grep -E "_tiled|Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Stall|Warp Cycles|Issued|Eligible|spill|Bandwidth" "$OUT/ncu.txt" | head -70
+fi
 if [[ $STEPS == *3* ]]; then
   step "3: all 48 layers, q4, fused (tiled $TILES) / untiled / torch"
   timeout 170 python3 benchmarks/gpu_profile.py random:qwen3-30b-a3b,experts=q4 -n 48 --rounds 3 --profile 1 \

@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=128)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--best", type=Path)
+    ap.add_argument("--tiles", help="one tiled arm only (GU/DOWN, e.g. 4.1.4/1.4.8), no other arm (for ncu)")
     a = ap.parse_args()
     rate = hbm_rate()
     bank, rec = random_bank(2048, 768, a.slots)
@@ -110,12 +111,16 @@ def main() -> None:
             return moe_triton.weighted_pairs(x, sl, w, bank)
         return fn
 
-    arm("untiled (any-row, §10b)", old(False))
-    arm("block (Q4_BLOCK)", old(True))
+    grid = list(itertools.product(GU, DOWN))
+    if a.tiles:
+        grid = [tuple(tuple(int(v) for v in part.split(".")) for part in a.tiles.split("/"))]
+    else:
+        arm("untiled (any-row, §10b)", old(False))
+        arm("block (Q4_BLOCK)", old(True))
     moe_triton.Q4_TILED, moe_triton.Q4_BLOCK = True, False
     flat_w = w.reshape(-1)
     res = []
-    for gu, down in itertools.product(GU, DOWN):
+    for gu, down in grid:
         def fn(sl, gu=gu, down=down):
             return q4_tiled.weighted_pairs(x, sl.reshape(-1), flat_w, bank, a.k, moe_triton._delta, gu=gu, down=down)
         res.append((arm(f"tiled gu {gu} down {down}", fn), gu, down))

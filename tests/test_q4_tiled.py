@@ -84,3 +84,15 @@ def test_fit_divides_k():
     assert q4_tiled.fit(768, 64, 8, 4) == (3, 4)      # 12 groups: 4 a step, 3 steps
     assert q4_tiled.fit(2304, 64, 4, 4) == (3, 4)     # 36 groups
     assert q4_tiled.fit(128, 64, 4, 2) == (1, 2)      # the step first, then the split
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_pairs_matches_torch_sum_and_cast(dtype):
+    """moe_triton.sum_pairs (routed_groups' sum over k of the weighted pairs, and the cast, in one launch) against
+    torch's: float32 in order, so within float32 rounding of it; the bf16 result within one bf16 rounding."""
+    y = torch.randn(3, 8, 300, generator=torch.Generator().manual_seed(5)).to(DEV)
+    out = moe_triton.sum_pairs(y, dtype)
+    ref = y.sum(1)
+    assert out.shape == (3, 300) and out.dtype == dtype
+    assert rel(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert moe_triton.weighted_pairs.sum_pairs is moe_triton.sum_pairs

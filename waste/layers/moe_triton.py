@@ -383,7 +383,30 @@ def weighted_pairs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
     return y.view(T, k, N)
 
 
+@triton.jit
+def _sum_pairs(y_ptr, o_ptr, K, N, BLOCK: tl.constexpr):
+    # out[t] = sum over j of y[t, j] in the order j = 0, 1, .., in float32, rounded once on the store
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(K):
+        acc += tl.load(y_ptr + (t * K + j) * N + n, mask=m, other=0.0)
+    tl.store(o_ptr + t * N + n, acc.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def sum_pairs(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weighted_pairs' float32 pairs [T, k, h] summed over k and cast to dtype [T, h] in one launch (torch's sum over
+    the middle axis and the cast were two, 5 us a layer on the H200: docs/LEARNED.md §10g)."""
+    y = y.contiguous()
+    T, K, N = y.shape
+    out = torch.empty(T, N, dtype=dtype, device=y.device)
+    _sum_pairs[(T, triton.cdiv(N, 256))](y, out, K, N, BLOCK=256, num_warps=2)
+    return out
+
+
 weighted_pairs.serves = serves
+weighted_pairs.sum_pairs = sum_pairs
 pairs.weighted_pairs = weighted_pairs
 
 

@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-# (split, groups a step, warps) for gate + up and for down: shrunk per call to what divides K (fit)
-GU = (4, 2, 4)
-DOWN = (3, 2, 4)
+# (split, groups a step, warps) for gate + up and for down, shrunk per call to what divides K (fit): the fastest
+# of benchmarks/q4_tiles.py's grid on the H200 (docs/LEARNED.md §10g)
+GU = (4, 1, 4)
+DOWN = (1, 4, 8)
 
 
 @triton.jit
