@@ -22,6 +22,16 @@ if [[ $STEPS == *2* ]]; then
   step "2: the launches alone, every tile"
   timeout 150 python3 benchmarks/q4_tiles.py --best "$OUT/best.txt" 2>&1 | tee "$OUT/tiles.txt" | grep -E "HBM copy|untiled|block|top|best|rror"
   [[ -z $TILES && -s $OUT/best.txt ]] && TILES=$(cat "$OUT/best.txt")
+  if [[ -n $TILES && -n $SET_DEFAULT ]]; then     # the fastest tiles as the defaults the later steps and tests run
+    python3 - "$TILES" <<'PY'
+import pathlib, re, sys
+gu, down = (tuple(int(v) for v in part.split(".")) for part in sys.argv[1].split("/"))
+p = pathlib.Path("waste/layers/q4_tiled.py")
+s = re.sub(r"^GU = .*$", f"GU = {gu}", p.read_text(), count=1, flags=re.M)
+p.write_text(re.sub(r"^DOWN = .*$", f"DOWN = {down}", s, count=1, flags=re.M))
+print("defaults now: GU =", gu, "DOWN =", down)
+PY
+  fi
 fi
 TARG=${TILES:+--q4-tiles $TILES}
 if [[ $STEPS == *6* ]]; then
@@ -43,9 +53,9 @@ PY
   grep -E "_tiled|Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Stall|Warp Cycles|Issued|Eligible|spill|Bandwidth" "$OUT/ncu.txt" | head -70
 fi
 if [[ $STEPS == *3* ]]; then
-  step "3: all 48 layers, q4, fused (tiled $TILES) / untiled / torch"
+  step "3: all 48 layers, q4, fused (tiled $TILES) / untiled / prev / torch"
   timeout 170 python3 benchmarks/gpu_profile.py random:qwen3-30b-a3b,experts=q4 -n 48 --rounds 3 --profile 1 \
-    --arms fused,untiled,torch $TARG --json "$OUT/profile48.json" 2>&1 | grep -v -i warn
+    --arms fused,untiled,prev,torch $TARG --json "$OUT/profile48.json" 2>&1 | grep -v -i warn
 fi
 if [[ $STEPS == *5* ]]; then
   step "5: the GPU tests"

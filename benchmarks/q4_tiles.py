@@ -4,7 +4,7 @@ Qwen3-30B-A3B-shaped layer (h 2048, 768 per expert, q4) read in place from a sla
 
     python benchmarks/q4_tiles.py [--slots 128] [--k 8] [--best FILE]
 
-Each arm: 16 calls, each on another random set of k slots (the slab is 6x the L2: the reads come from HBM),
+A tile: (split, groups a step, warps[, prefetch]). Each arm: 16 calls, each on another random set of k slots (the slab is 6x the L2: the reads come from HBM),
 captured in one CUDA graph, replayed 20 times; the median replay / 16 is a call's time, its expert bytes / that time
 its rate beside a 2 GiB device copy's. --best writes the fastest tiled arm as `GU/DOWN` (e.g. 4.2.4/3.2.4) for
 gpu_profile.py --q4-tiles. Not a test; docs/LEARNED.md §10g has the figures.
@@ -28,8 +28,8 @@ from waste.layers import moe_triton, q4_tiled  # noqa: E402
 from waste.layers.moe import MATRICES, Bank  # noqa: E402
 from waste.quant.formats import get_format  # noqa: E402
 
-GU = [(1, 4, 8), (2, 2, 4), (2, 4, 8), (4, 1, 4), (4, 2, 4), (4, 4, 8), (8, 1, 4), (8, 2, 8), (16, 1, 4)]
-DOWN = [(1, 2, 4), (1, 4, 8), (1, 6, 8), (2, 2, 4), (2, 3, 8), (3, 1, 4), (3, 4, 8), (6, 1, 4)]
+GU = [(4, 1, 4), (2, 2, 4), (1, 4, 8), (4, 1, 4, 1), (2, 1, 4, 1), (8, 1, 4, 1), (4, 1, 8, 1), (1, 1, 8, 1)]
+DOWN = [(1, 4, 8), (1, 2, 4), (1, 1, 8, 1), (1, 1, 4, 1), (2, 1, 4, 1), (3, 1, 4, 1)]
 
 
 def random_bank(h: int, inter: int, n: int) -> tuple[Bank, int]:

@@ -34,11 +34,12 @@ def reference(bank, dense, x, slots, wts, limit):
 
 @pytest.mark.parametrize("fmt,h,inter,limit", [("q4", 256, 128, None), ("q4", 192, 128, 0.05), ("q4g32", 128, 64,
                                                                                                   None)])
-@pytest.mark.parametrize("gu,down", [((1, 1, 4), (1, 1, 4)), ((4, 2, 4), (2, 1, 2)), ((3, 3, 8), (3, 2, 4))])
+@pytest.mark.parametrize("gu,down", [((1, 1, 4), (1, 1, 4)), ((4, 2, 4), (2, 1, 2)), ((3, 3, 8), (3, 2, 4)),
+                                     ((1, 1, 4, 1), (1, 1, 8, 1)), ((2, 1, 4, 1), (2, 1, 4, 1))])
 def test_tiled_pairs_match_unpacked_matrices(fmt, h, inter, limit, gu, down):
     """Every split and step (the split 1 gate + up launch storing bf16 rows the down launch activates, or float32
-    partials summed and activated by their own launch), against the unpacked matrices; a slot twice, a -1 pair
-    zero; splits that do not divide K shrink (fit)."""
+    partials summed and activated by their own launch; with and without the next step prefetched), against the
+    unpacked matrices; a slot twice, a -1 pair zero; splits that do not divide K shrink (fit)."""
     bank, dense = slab_bank(fmt, h, inter, n_slots=5)
     bank.limit = limit
     assert q4_tiled.serves(bank)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-# (split, groups a step, warps) for gate + up and for down, shrunk per call to what divides K (fit): the fastest
+# (split, groups a step, warps[, prefetch the next step]) for gate + up and for down, shrunk per call to what divides K (fit): the fastest
 # of benchmarks/q4_tiles.py's grid on the H200 (docs/LEARNED.md §10g)
 GU = (4, 1, 4)
 DOWN = (1, 4, 8)
@@ -32,9 +32,48 @@ def _bf16_pair(v):
 
 
 @triton.jit
+def _fetch(qblk, s_lo, s_hi, xrow, DU, k0, kk, j, G: tl.constexpr, szg, ACT: tl.constexpr):
+    # one scale group's operands from column k0: the block's [G, 32] bytes, the rows' (scale, zero) words, x's G
+    # values (ACT: gate's and up's)
+    k = k0 + kk
+    b = tl.load(qblk + k[:, None].to(tl.int64) * 32 + j[None, :])
+    gs = (k0 // G) * szg
+    xa = tl.load(xrow + k)
+    xb = tl.load(xrow + DU + k) if ACT else xa
+    return b, tl.load(s_lo + gs), tl.load(s_hi + gs), xa, xb
+
+
+@triton.jit
+def _xv(xa, xb, limit, ACT: tl.constexpr, LIMIT: tl.constexpr):
+    # the row the matrix multiplies: x, or SwiGLU of gate (xa) and up (xb), clamped where the bank has a limit
+    if ACT:
+        g = xa.to(tl.float32)
+        u = xb.to(tl.float32)
+        if LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        return g * tl.sigmoid(g) * u
+    return xa.to(tl.float32)
+
+
+@triton.jit
+def _fma(b, wl, wh, xv, acc_lo, acc_hi):
+    # the step's products into the [G, 32] accumulators; a nibble's float by its bits (2^23 + q), not a conversion
+    # instruction: exact, and cheaper
+    b = b.to(tl.int32)
+    sl, zl = _bf16_pair(wl)
+    sh, zh = _bf16_pair(wh)
+    ql = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    qh = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    acc_lo += (ql * sl[None, :] + zl[None, :]) * xv[:, None]
+    acc_hi += (qh * sh[None, :] + zh[None, :]) * xv[:, None]
+    return acc_lo, acc_hi
+
+
+@triton.jit
 def _tiled(x_ptr, sx, KDIV, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, y_ptr, sy, ssplit, K, NBLK, DW, DS, DY, KCH,
            DU, wt_ptr, limit, G: tl.constexpr, NG: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
-           WEIGHTED: tl.constexpr):
+           WEIGHTED: tl.constexpr, PREF: tl.constexpr):
     # grid (pair, block of 64 rows x matrix, split). x: pair p's row x[p // KDIV] (ACT: its gate and up outputs, up
     # DU elements after gate, SwiGLU applied as read); sz: int32 words, a (scale, zero) bf16 pair each per (group,
     # row), so a thread's 16 rows' pairs are 64 contiguous bytes (2-byte loads of each half, 64 a thread a group, had
@@ -56,27 +95,19 @@ def _tiled(x_ptr, sx, KDIV, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, y_ptr, sy, ss
     acc_lo = tl.zeros([G, 32], tl.float32)
     acc_hi = tl.zeros([G, 32], tl.float32)
     k_lo = tl.program_id(2) * KCH
-    for k0 in range(k_lo, k_lo + KCH, G * NG):
-        for i in tl.static_range(NG):
-            k = k0 + i * G + kk
-            if ACT:
-                g = tl.load(xrow + k).to(tl.float32)
-                u = tl.load(xrow + DU + k).to(tl.float32)
-                if LIMIT:
-                    g = tl.minimum(g, limit)
-                    u = tl.minimum(tl.maximum(u, -limit), limit)
-                xv = g * tl.sigmoid(g) * u
-            else:
-                xv = tl.load(xrow + k).to(tl.float32)
-            b = tl.load(qblk + k[:, None].to(tl.int64) * 32 + j[None, :]).to(tl.int32)
-            gs = ((k0 + i * G) // G) * szg
-            sl, zl = _bf16_pair(tl.load(s_lo + gs))
-            sh, zh = _bf16_pair(tl.load(s_hi + gs))
-            # a nibble's float by its bits (2^23 + q), not a conversion instruction: exact, and cheaper
-            ql = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-            qh = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-            acc_lo += (ql * sl[None, :] + zl[None, :]) * xv[:, None]
-            acc_hi += (qh * sh[None, :] + zh[None, :]) * xv[:, None]
+    if PREF:
+        # one group a step, the next step's operands loaded before this step's arithmetic (in flight during it; a
+        # loop's loads are otherwise issued only when its previous step is done); the last step reloads its own
+        nxt = _fetch(qblk, s_lo, s_hi, xrow, DU, k_lo, kk, j, G, szg, ACT)
+        for k0 in range(k_lo, k_lo + KCH, G):
+            b, wl, wh, xa, xb = nxt
+            nxt = _fetch(qblk, s_lo, s_hi, xrow, DU, tl.minimum(k0 + G, k_lo + KCH - G), kk, j, G, szg, ACT)
+            acc_lo, acc_hi = _fma(b, wl, wh, _xv(xa, xb, limit, ACT, LIMIT), acc_lo, acc_hi)
+    else:
+        for k0 in range(k_lo, k_lo + KCH, G * NG):
+            for i in tl.static_range(NG):
+                b, wl, wh, xa, xb = _fetch(qblk, s_lo, s_hi, xrow, DU, k0 + i * G, kk, j, G, szg, ACT)
+                acc_lo, acc_hi = _fma(b, wl, wh, _xv(xa, xb, limit, ACT, LIMIT), acc_lo, acc_hi)
     lo = tl.sum(acc_lo, 0)
     hi = tl.sum(acc_hi, 0)
     if WEIGHTED:
@@ -119,6 +150,13 @@ def fit(K: int, G: int, split: int, ng: int) -> tuple[int, int]:
     return split, ng
 
 
+def _tile(t: tuple, K: int, G: int) -> tuple[int, int, int, bool]:
+    """A tile (split, groups a step, warps[, prefetch]) fitted to K: prefetching steps one group at a time."""
+    pref = bool(t[3]) if len(t) > 3 else False
+    split, ng = fit(K, G, t[0], 1 if pref else t[1])
+    return split, ng, t[2], pref
+
+
 def serves(bank) -> bool:
     """Full 64-row blocks in every matrix, scale groups of at least 16 columns (16 bytes a thread), (scale, zero)
     pairs adjacent per row."""
@@ -134,14 +172,14 @@ def _words(sz: torch.Tensor) -> torch.Tensor:
     return sz.view(torch.int32)[..., 0]
 
 
-def _launch(x, sx, kdiv, flat, q, sz, dq, dsz, y, sy, ssplit, dy, N, K, nmat, split, ng, warps, act=False, du=0,
-            wt=None, limit=None):
+def _launch(x, sx, kdiv, flat, q, sz, dq, dsz, y, sy, ssplit, dy, N, K, nmat, split, ng, warps, pref, act=False,
+            du=0, wt=None, limit=None):
     G = K // sz.shape[1]
     nb = N // 64
     _tiled[(flat.numel(), nb * nmat, split)](
         x, sx, kdiv, flat, q, q.stride(0), sz, sz.stride(0), sz.stride(1), y, sy, ssplit, K, nb, dq, dsz, dy,
         K // split, du, y if wt is None else wt, 0.0 if limit is None else limit, G=G, NG=ng, ACT=act,
-        LIMIT=limit is not None, WEIGHTED=wt is not None, num_warps=warps)
+        LIMIT=limit is not None, WEIGHTED=wt is not None, PREF=pref, num_warps=warps)
 
 
 def weighted_pairs(xk: torch.Tensor, flat: torch.Tensor, wt: torch.Tensor, bank, kdiv: int, delta,
@@ -151,29 +189,27 @@ def weighted_pairs(xk: torch.Tensor, flat: torch.Tensor, wt: torch.Tensor, bank,
     gp, dp = bank.parts["gate"], bank.parts["down"]
     I, H = bank.shapes["gate"]
     G = H // gp["sz"].shape[1]
-    s1, n1 = fit(H, G, *(gu or GU)[:2])
-    w1 = (gu or GU)[2]
+    s1, n1, w1, p1 = _tile(gu or GU, H, G)
     gz, dz = _words(gp["sz"]), _words(dp["sz"])
     dq, dsz = delta(gp["q"], bank.parts["up"]["q"]), delta(gz, _words(bank.parts["up"]["sz"]))
     lim = bank.limit
     if s1 == 1:       # no partials: gate and up rows in the row dtype, SwiGLU applied as the down launch reads them
         a = torch.empty(2, P, I, dtype=xk.dtype, device=xk.device)
         _launch(xk, xk.stride(0), kdiv, flat, gp["q"], gz, dq, dsz, a, a.stride(1), 0, a.stride(0), I, H, 2,
-                1, n1, w1)
+                1, n1, w1, p1)
         act = dict(act=True, du=a.stride(0), limit=lim)
     else:
         part = torch.empty(s1, 2, P, I, dtype=torch.float32, device=xk.device)
         _launch(xk, xk.stride(0), kdiv, flat, gp["q"], gz, dq, dsz, part, part.stride(2), part.stride(0),
-                part.stride(1), I, H, 2, s1, n1, w1)
+                part.stride(1), I, H, 2, s1, n1, w1, p1)
         a = torch.empty(P, I, dtype=torch.float32, device=xk.device)
         _act_sum[(P, triton.cdiv(I, 1024))](part, s1, part.stride(0), part.stride(1), part.stride(2), a, a.stride(0),
                                             I, 0.0 if lim is None else lim, BLOCK=1024, LIMIT=lim is not None,
                                             ROUND=xk.dtype == torch.bfloat16, num_warps=4)
         act = dict(act=False)
     dG = I // dp["sz"].shape[1]
-    s2, n2 = fit(I, dG, *(down or DOWN)[:2])
-    w2 = (down or DOWN)[2]
+    s2, n2, w2, p2 = _tile(down or DOWN, I, dG)
     y = torch.empty(s2, P, H, dtype=torch.float32, device=xk.device)
-    _launch(a, a.stride(-2), 1, flat, dp["q"], dz, 0, 0, y, y.stride(1), y.stride(0), 0, H, I, 1, s2, n2, w2,
+    _launch(a, a.stride(-2), 1, flat, dp["q"], dz, 0, 0, y, y.stride(1), y.stride(0), 0, H, I, 1, s2, n2, w2, p2,
             wt=wt, **act)
     return y[0] if s2 == 1 else y.sum(0)
