@@ -21,7 +21,7 @@ import triton.language as tl
 
 # (split, groups a step, warps[, prefetch the next step]) for gate + up and for down, shrunk per call to what divides K (fit): the fastest
 # of benchmarks/q4_tiles.py's grid on the H200 (docs/LEARNED.md §10g)
-GU = (4, 1, 4)
+GU = (2, 1, 4, 1)
 DOWN = (1, 4, 8)
 
 
