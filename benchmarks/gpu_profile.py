@@ -1,18 +1,18 @@
 """Where a GPU decode step's time goes, and the fused decode kernels against the torch path, in one process:
 
-    python benchmarks/gpu_profile.py MODEL [-n 48] [--rounds 3] [--arms fused,untiled,prev,torch] [--profile 4] [--json F]
-                                           [--q4-tiles GU/DOWN]
+    python benchmarks/gpu_profile.py MODEL [-n 48] [--rounds 3] [--arms fused,untiled,prev,torch] [--profile 4]
+                                           [--json F] [--q4-tiles GU/DOWN]
 
 MODEL: a container or a `random:` spec (random:qwen3-30b-a3b,experts=q4[,layers=N]: generated in place, no disk).
 Arms, interleaved over --rounds, each a fresh sequence (32-token prompt, 4 warm-up steps that capture its graph,
 then -n timed steps, greedy; median per round): fused = the defaults: layers/decode_triton.py's kernels and
-moe_triton.weighted_pairs (SwiGLU applied as the down launch reads, the routing weight too; torch sums the pairs);
-untiled = fused with q4's kernels before layers/q4_tiled.py
-(§10b's any-row kernel); prev = §10b's fused kernels (untiled, attention a program a head, torch's sum of the pairs);
-block = fused with q4's block kernel (Q4_BLOCK); torch = none of them (the path before this session). Then, per arm, torch.profiler with CUDA activities over --profile steps,
-replayed (whole-step graph) and eager: kernels per step and per layer, kernel time per step, the top kernels.
+moe_triton.weighted_pairs (q4: layers/q4_tiled.py; SwiGLU applied as the down launch reads, the routing weight too;
+moe_triton.sum_pairs sums the pairs); untiled = fused with q4's kernels before q4_tiled (§10b's any-row kernel);
+prev = §10b's fused kernels (untiled, attention a program a head, torch's sum of the pairs); block = fused with
+q4's block kernel (Q4_BLOCK); torch = none of them (the path before §10b). Then, per arm, torch.profiler with CUDA
+activities over --profile steps, replayed (whole-step graph) and eager: kernels per step and per layer, kernel time per step, the top kernels.
 Beside each figure: the HBM bound (bytes a token reads / a 2 GiB copy's rate here) and the launch floors (one eager
-launch; one kernel inside a CUDA graph). Not a test; docs/LEARNED.md §10b has the figures.
+launch; one kernel inside a CUDA graph). Not a test; docs/LEARNED.md §10b and §10g have the figures.
 """
 from __future__ import annotations
 

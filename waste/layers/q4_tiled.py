@@ -3,8 +3,9 @@
 int4pack stores a matrix in blocks of 64 rows, k down: column k of a full block is 32 contiguous bytes (byte j holds
 row j in its low nibble, row j + 32 in its high one), so a block's columns k0 .. k0 + G are G * 32 contiguous bytes.
 A program owns one pair, one 64-row block and a share of K (the split): each step loads a [G, 32] byte tile, one scale
-group (16 bytes a thread at 4 warps), NG groups a step unrolled so their loads are in flight together; it keeps a
-[G, 32] float32 accumulator per nibble and sums over k once at the end (no cross-thread reduction inside the loop).
+group (16 bytes a thread at 4 warps), NG groups a step unrolled, or one group a step with the next one's loads
+issued before this one's arithmetic (prefetch); it keeps a [G, 32] float32 accumulator per nibble and sums over k
+once at the end (no cross-thread reduction inside the loop).
 Splitting K puts enough programs on the chip at decode's 8 pairs (a Qwen3-30B-A3B gate + up launch is 192 blocks
 unsplit: 1.5 a multiprocessor, too few loads in flight to reach HBM's rate).
 
@@ -19,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-# (split, groups a step, warps[, prefetch the next step]) for gate + up and for down, shrunk per call to what divides K (fit): the fastest
-# of benchmarks/q4_tiles.py's grid on the H200 (docs/LEARNED.md §10g)
+# (split, groups a step, warps[, prefetch the next step]) for gate + up and for down, shrunk per call to what
+# divides K (fit): the fastest of benchmarks/q4_tiles.py's grid on the H200 (docs/LEARNED.md §10g)
 GU = (2, 1, 4, 1)
 DOWN = (1, 4, 8)
 
