@@ -10,7 +10,8 @@ moe_triton.weighted_pairs (q4: layers/q4_tiled.py; SwiGLU applied as the down la
 moe_triton.sum_pairs sums the pairs); untiled = fused with q4's kernels before q4_tiled (§10b's any-row kernel);
 prev = §10b's fused kernels (untiled, attention a program a head, torch's sum of the pairs); block = fused with
 q4's block kernel (Q4_BLOCK); torch = none of them (the path before §10b). Then, per arm, torch.profiler with CUDA
-activities over --profile steps, replayed (whole-step graph) and eager: kernels per step and per layer, kernel time per step, the top kernels.
+activities over --profile steps, replayed (whole-step graph) and eager: kernels per step and per layer, kernel time
+per step, the top kernels.
 Beside each figure: the HBM bound (bytes a token reads / a 2 GiB copy's rate here) and the launch floors (one eager
 launch; one kernel inside a CUDA graph). Not a test; docs/LEARNED.md §10b and §10g have the figures.
 """
