@@ -6,8 +6,8 @@ Qwen3-30B-A3B-shaped layer (h 2048, 768 per expert, q4) read in place from a sla
 
 A tile: (split, groups a step, warps[, prefetch]). Each arm: 16 calls, each on another random set of k slots (the
 slab is 6x the L2: the reads come from HBM), captured in one CUDA graph, replayed 20 times; the median replay / 16
-is a call's time, its expert bytes / that time its rate beside a 2 GiB device copy's. --best writes the fastest tiled arm as `GU/DOWN` (e.g. 4.2.4/3.2.4) for
-gpu_profile.py --q4-tiles. Not a test; docs/LEARNED.md §10g has the figures.
+is a call's time, its expert bytes / that time its rate beside a 2 GiB device copy's. --best writes the fastest
+tiled arm as `GU/DOWN` (e.g. 2.1.4.1/1.4.8) for gpu_profile.py --q4-tiles. Not a test; docs/LEARNED.md §10g has the figures.
 """
 from __future__ import annotations
 
