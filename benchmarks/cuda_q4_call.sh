@@ -1,17 +1,11 @@
 #!/bin/bash
 # One GPU call for issue 14's q4 tiles (docs/LEARNED.md §10g): the kernels' tests compiled, the launches alone
-# (benchmarks/q4_tiles.py: every tile against the kernels before), all 48 layers with the fastest tiles against the
-# fused kernels before and the torch path, Kimi-Linear, then the GPU tests (STEPS: of 12345, LIMIT seconds in all).
+# (benchmarks/q4_tiles.py: every tile against the kernels before), ncu on the fastest, all 48 layers with it against
+# the fused kernels before and the torch path, the GPU tests, Kimi-Linear (STEPS: of 123456, in that order 1 2 6 3 5
+# 4; LIMIT seconds in all). SET_DEFAULT=1: the fastest tiles written into q4_tiled.py's defaults before steps 3-5.
 #   bash benchmarks/cuda_q4_call.sh OUT [STEPS] [LIMIT]   (repository root, waste installed)
-set -o pipefail
-OUT=${1:-/tmp/cuda-call}
-STEPS=${2:-1234}
-LIMIT=${3:-540}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-step() { echo "=== $(date +%T) ${SECONDS}s $*"; }
-step setup
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+DEF_STEPS=1234 DEF_LIMIT=540
+source "$(dirname "$0")/cuda_call_setup.sh"
 TILES=${TILES:-}
 if [[ $STEPS == *1* ]]; then
   step "1: the tiled kernels compiled, against the unpacked matrices and the kernels before"

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..quant.lowbit import E2M1
 from . import q4_tiled
+from .q4_tiled import _pair_block
 from .moe import Bank, register, segments
 
 # tiles per format kind (rows per program, columns per step, warps): the fastest of those timed on the H200 inside
@@ -158,16 +159,8 @@ def _q4_block_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, s
     # G * 32 contiguous bytes, loaded as a [G, 32] tile (32 bytes of a column along the fast axis: wide loads).
     # ACT: x is a pair's gate and up outputs (up DU elements after), SwiGLU applied as read; WEIGHTED: the result
     # times the pair's routing weight (wt_ptr).
-    p = tl.program_id(0)
-    slot = tl.load(slot_ptr + p).to(tl.int64)
-    held = slot >= 0
-    slot = tl.maximum(slot, 0)
-    which = tl.program_id(1) // NBLK
-    blk = tl.program_id(1) % NBLK
+    p, slot, held, which, blk, qblk, j, lo_n = _pair_block(slot_ptr, q_ptr, qs, DW, K, NBLK)
     y_ptr = y_ptr + which * DY + tl.program_id(2) * ssplit
-    j = tl.arange(0, 32)
-    qblk = q_ptr + which * DW + slot * qs + blk.to(tl.int64) * (K * 32)
-    lo_n = blk * 64 + j
     srow_lo = sz_ptr + which * DS + slot * szs + lo_n.to(tl.int64) * szn
     srow_hi = srow_lo + 32 * szn
     xrow = x_ptr + (p // KDIV) * sx

@@ -33,6 +33,21 @@ def _bf16_pair(v):
 
 
 @triton.jit
+def _pair_block(slot_ptr, q_ptr, qs, DW, K, NBLK):
+    """A block program's pair p, the pair's slot (0 where not held), whether this call holds it, which matrix of
+    the launch, its 64-row block, the block's first byte, the byte lane j of a column, the block's low rows."""
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    held = slot >= 0                          # -1: this call does not hold the pair's expert; its rows stay zero
+    slot = tl.maximum(slot, 0)
+    which = tl.program_id(1) // NBLK
+    blk = tl.program_id(1) % NBLK
+    j = tl.arange(0, 32)
+    qblk = q_ptr + which * DW + slot * qs + blk.to(tl.int64) * K * 32
+    return p, slot, held, which, blk, qblk, j, blk * 64 + j
+
+
+@triton.jit
 def _fetch(qblk, s_lo, s_hi, xrow, DU, k0, kk, j, G: tl.constexpr, szg, ACT: tl.constexpr):
     # one scale group's operands from column k0: the block's [G, 32] bytes, the rows' (scale, zero) words, x's G
     # values (ACT: gate's and up's)
@@ -80,16 +95,8 @@ def _tiled(x_ptr, sx, KDIV, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, y_ptr, sy, ss
     # row), so a thread's 16 rows' pairs are 64 contiguous bytes (2-byte loads of each half, 64 a thread a group, had
     # cost more than the weights' one 16-byte load); WEIGHTED: times the pair's routing weight. Rows of a -1 pair
     # (not held) are stored zero.
-    p = tl.program_id(0)
-    slot = tl.load(slot_ptr + p).to(tl.int64)
-    held = slot >= 0
-    slot = tl.maximum(slot, 0)
-    which = tl.program_id(1) // NBLK
-    blk = tl.program_id(1) % NBLK
-    j = tl.arange(0, 32)
+    p, slot, held, which, blk, qblk, j, rows = _pair_block(slot_ptr, q_ptr, qs, DW, K, NBLK)
     kk = tl.arange(0, G)
-    qblk = q_ptr + which * DW + slot * qs + blk.to(tl.int64) * K * 32
-    rows = blk * 64 + j
     s_lo = sz_ptr + which * DS + slot * szs + rows.to(tl.int64)      # a row's (scale, zero) bf16 pair as one int32
     s_hi = s_lo + 32
     xrow = x_ptr + (p // KDIV) * sx
