@@ -4,15 +4,8 @@
 # place); the GPU tests; a 4-layer release resident, streamed from the disk and through the VRAM tier, beside its
 # transformers peers (last, in the time left of LIMIT seconds).
 #   bash benchmarks/cuda_decode_call.sh OUT [STEPS] [LIMIT]   (repository root, waste installed; STEPS: of 12345)
-set -o pipefail
-OUT=${1:-/tmp/cuda-call}
-STEPS=${2:-12345}
-LIMIT=${3:-560}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-step() { echo "=== $(date +%T) ${SECONDS}s $*"; }
-step setup
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+DEF_STEPS=12345 DEF_LIMIT=560
+source "$(dirname "$0")/cuda_call_setup.sh"
 python3 -c "import torch, triton, transformers, accelerate; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
 ARMS=torch
 if [[ $STEPS == *1* ]]; then

@@ -42,11 +42,15 @@ def test_qk_rope_put_matches_norm_rope_and_cache_write(dtype, norm):
     assert (kb[others] == 7.0).all() and (vb[others] == 7.0).all()      # no other row touched
 
 
-@pytest.mark.parametrize("pos", [0, 70])
-def test_attend_row_matches_masked_attention(pos):
+@pytest.mark.parametrize("split", [None, 1, 3])
+@pytest.mark.parametrize("pos", [0, 70, 200])
+def test_attend_row_matches_masked_attention(pos, split, monkeypatch):
     """Grouped-query attention of one row over cache rows 0 .. pos (more than one 64-row block at 70), the rows past
-    it poisoned: they must not count."""
-    H, KV, d, cap = 4, 2, 32, 96
+    it poisoned: they must not count. split: the rows in shares (None: split_of's, 16 at 4 heads: empty shares at
+    0 and 70; 3: several 32-row steps a share at 200) or one program a head (1)."""
+    if split is not None:
+        monkeypatch.setattr(decode_triton, "split_of", lambda H: split)
+    H, KV, d, cap = 4, 2, 32, 224
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, H, d, generator=g).to(DEV)
     kb, vb = torch.randn(cap, KV, d, generator=g).to(DEV), torch.randn(cap, KV, d, generator=g).to(DEV)

@@ -4,7 +4,9 @@ small kernels, each costing a few microseconds whatever it reads: docs/LEARNED.m
 - qk_rope_put: GQA's per-head q/k RMS norm, rotary (half-rotation, the position read from a tensor) and the key /
   value row written into the cache buffers at that position: one launch instead of about a dozen.
 - attend_row: that row's attention over the cache rows up to the position (the position read from the tensor,
-  so a CUDA graph replays it at any length): one launch instead of the mask, the masked SDPA and its copies.
+  so a CUDA graph replays it at any length): the mask, the masked SDPA and its copies replaced by two launches,
+  each head's rows split in equal shares over programs and the shares' softmax combined (flash-decoding; one
+  program a head had left the chip idle: docs/LEARNED.md §10g).
 - softmax_topk_tail: a router's softmax over the experts' logits, top-k and the renormalisation: one launch
   instead of four to six.
 Both compute in float32 and round once on the store; callers use them only where `usable` says (CUDA, triton
@@ -21,6 +23,7 @@ except ImportError:          # no triton: callers keep the torch path
     triton = None
 
 ENABLED = True               # benchmarks turn the fused kernels off to measure the torch path in the same process
+ATTN_SPLIT = True            # attend_row split over the keys (flash-decoding: two launches); False: a program a head
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -87,6 +90,56 @@ if triton is not None:
         tl.store(o_ptr + h * D + d, (acc / l).to(o_ptr.dtype.element_ty))
 
     @triton.jit
+    def _attend_part(q_ptr, kb_ptr, vb_ptr, pos_ptr, m_ptr, l_ptr, a_ptr, scale, KV, GRP, S, D: tl.constexpr,
+                     BLK: tl.constexpr):
+        # flash-decoding's first pass: program (h, j) takes the j-th of S equal shares of the rows 0 .. pos (the
+        # share's length follows the replayed position) and leaves its running max, sum and unnormalised output
+        h = tl.program_id(0)
+        j = tl.program_id(1)
+        g = h // GRP
+        n = tl.load(pos_ptr).to(tl.int64) + 1
+        ch = (n + S - 1) // S
+        lo = j * ch
+        hi = tl.minimum(lo + ch, n)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + h * D + d).to(tl.float32) * scale
+        m = tl.full([], float("-inf"), tl.float32)
+        l = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([D], tl.float32)
+        for s0 in range(lo, hi, BLK):
+            r = s0 + tl.arange(0, BLK)
+            rm = r < hi
+            at = (r[:, None] * KV + g) * D + d[None, :]
+            k = tl.load(kb_ptr + at, mask=rm[:, None], other=0.0).to(tl.float32)
+            v = tl.load(vb_ptr + at, mask=rm[:, None], other=0.0).to(tl.float32)
+            sc = tl.where(rm, tl.sum(k * q[None, :], 1), float("-inf"))
+            m2 = tl.maximum(m, tl.max(sc, 0))
+            alpha = tl.exp(m - m2)
+            pr = tl.exp(sc - m2)
+            l = l * alpha + tl.sum(pr, 0)
+            acc = acc * alpha + tl.sum(pr[:, None] * v, 0)
+            m = m2
+        i = h * S + j
+        tl.store(m_ptr + i, m)
+        tl.store(l_ptr + i, l)
+        tl.store(a_ptr + i * D + d, acc)
+
+    @triton.jit
+    def _attend_combine(m_ptr, l_ptr, a_ptr, o_ptr, S, D: tl.constexpr, SP: tl.constexpr):
+        # the second pass: a head's S shares rescaled to their common max and summed in order (a share with no rows
+        # has max -inf and weighs 0; share 0 always has row 0)
+        h = tl.program_id(0)
+        j = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        jm = j < S
+        m = tl.load(m_ptr + h * S + j, mask=jm, other=float("-inf"))
+        l = tl.load(l_ptr + h * S + j, mask=jm, other=0.0)
+        w = tl.exp(m - tl.max(m, 0))
+        a = tl.load(a_ptr + (h * S + j)[:, None] * D + d[None, :], mask=jm[:, None], other=0.0)
+        o = tl.sum(w[:, None] * a, 0) / tl.sum(w * l, 0)
+        tl.store(o_ptr + h * D + d, o.to(o_ptr.dtype.element_ty))
+
+    @triton.jit
     def _softmax_topk(logit_ptr, E, w_ptr, idx_ptr, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
                       NORM: tl.constexpr):
         # one program per row: softmax over E logits, the K largest (descending; ties to the lower id), renormalised
@@ -133,8 +186,21 @@ def attend_row(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pos: tor
     _, H, d = q.shape
     KV = kbuf.shape[1]
     o = torch.empty_like(q)
-    _attend_row[(H,)](q, kbuf, vbuf, pos, o, d ** -0.5, KV, H // KV, D=d, BLK=64, num_warps=4)
+    S = split_of(H) if ATTN_SPLIT else 1
+    if S == 1:
+        _attend_row[(H,)](q, kbuf, vbuf, pos, o, d ** -0.5, KV, H // KV, D=d, BLK=64, num_warps=4)
+        return o
+    m = torch.empty(H, S, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    a = torch.empty(H, S, d, dtype=torch.float32, device=q.device)
+    _attend_part[(H, S)](q, kbuf, vbuf, pos, m, l, a, d ** -0.5, KV, H // KV, S, D=d, BLK=32, num_warps=4)
+    _attend_combine[(H,)](m, l, a, o, S, D=d, SP=triton.next_power_of_2(S), num_warps=4)
     return o
+
+
+def split_of(H: int) -> int:
+    """Shares of the rows per head: about 512 programs (one per head alone is 32 on a 132-multiprocessor chip)."""
+    return max(1, min(16, 512 // H))
 
 
 def softmax_topk_tail(logits: torch.Tensor, top_k: int, norm: bool):

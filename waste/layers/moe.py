@@ -273,7 +273,8 @@ def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, b
             part = [wp(x, s, w, bank) for x, s, w in zip(xs, slots, weights)]
             acc = part if acc is None else [torch.where((s >= 0).unsqueeze(-1), p, a)
                                             for a, s, p in zip(acc, slots, part)]
-        return [a.sum(1).to(x.dtype) for a, x in zip(acc, xs)]
+        total = getattr(wp, "sum_pairs", None)      # the kernel's own sum and cast in one launch, where it has one
+        return [a.sum(1).to(x.dtype) if total is None else total(a, x.dtype) for a, x in zip(acc, xs)]
     pairs = None
     for slots, complete in groups:
         part = [expert_pairs(x, s, bank, kernel, complete) for x, s in zip(xs, slots)]

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from ..quant.lowbit import E2M1
+from . import q4_tiled
+from .q4_tiled import _pair_block
 from .moe import Bank, register, segments
 
 # tiles per format kind (rows per program, columns per step, warps): the fastest of those timed on the H200 inside
@@ -28,6 +30,8 @@ TILES = {"float": (16, 256, 8), "q8": (16, 256, 8), "q4": (16, 64, 4), "mxfp4": 
 # programs) is opt-in (Q4_BLOCK): on the H200 a 48-layer decode step took 7.6 ms with it, 5.9 with the any-row
 # kernel (docs/LEARNED.md §10b; §10 had measured its first form, one byte column at a time, worse too)
 Q4_BLOCK = False
+# q4 decode pairs through q4_tiled (coalesced tiles, K split over programs): the default where its shapes serve
+Q4_TILED = True
 
 
 @triton.jit
@@ -155,16 +159,8 @@ def _q4_block_mv(x_ptr, sx, slot_ptr, q_ptr, qs, sz_ptr, szs, szg, szn, y_ptr, s
     # G * 32 contiguous bytes, loaded as a [G, 32] tile (32 bytes of a column along the fast axis: wide loads).
     # ACT: x is a pair's gate and up outputs (up DU elements after), SwiGLU applied as read; WEIGHTED: the result
     # times the pair's routing weight (wt_ptr).
-    p = tl.program_id(0)
-    slot = tl.load(slot_ptr + p).to(tl.int64)
-    held = slot >= 0
-    slot = tl.maximum(slot, 0)
-    which = tl.program_id(1) // NBLK
-    blk = tl.program_id(1) % NBLK
+    p, slot, held, which, blk, qblk, j, lo_n = _pair_block(slot_ptr, q_ptr, qs, DW, K, NBLK)
     y_ptr = y_ptr + which * DY + tl.program_id(2) * ssplit
-    j = tl.arange(0, 32)
-    qblk = q_ptr + which * DW + slot * qs + blk.to(tl.int64) * (K * 32)
-    lo_n = blk * 64 + j
     srow_lo = sz_ptr + which * DS + slot * szs + lo_n.to(tl.int64) * szn
     srow_hi = srow_lo + 32 * szn
     xrow = x_ptr + (p // KDIV) * sx
@@ -348,14 +344,16 @@ def weighted_pairs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
     xk = (x if kd is None or x.dtype == kd else x.to(kd)).contiguous()
     flat = slots.reshape(-1).contiguous()
     P = flat.numel()
+    N, K = bank.shapes["down"]
+    wt = weights.reshape(-1).float().contiguous()
+    if kind == "q4" and Q4_TILED and not Q4_BLOCK and q4_tiled.serves(bank):
+        return q4_tiled.weighted_pairs(xk, flat, wt, bank, k, _delta, **tune).view(T, k, N)
     inter = bank.shapes["gate"][0]
     gu = torch.empty(2, P, inter, dtype=xk.dtype, device=x.device)
     matvec(("gate", "up"), xk, flat, bank, gu, k, **tune)
-    N, K = bank.shapes["down"]
     dbn, dbk, dw = DOWN_TILES[kind]
     bn, warps = bn or dbn, warps or dw
     y = torch.empty(P, N, dtype=torch.float32, device=x.device)
-    wt = weights.reshape(-1).float().contiguous()
     ps = bank.parts["down"]
     lim = bank.limit is not None
     limit = bank.limit if lim else 0.0
@@ -378,7 +376,30 @@ def weighted_pairs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
     return y.view(T, k, N)
 
 
+@triton.jit
+def _sum_pairs(y_ptr, o_ptr, K, N, BLOCK: tl.constexpr):
+    # out[t] = sum over j of y[t, j] in the order j = 0, 1, .., in float32, rounded once on the store
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(K):
+        acc += tl.load(y_ptr + (t * K + j) * N + n, mask=m, other=0.0)
+    tl.store(o_ptr + t * N + n, acc.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def sum_pairs(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weighted_pairs' float32 pairs [T, k, h] summed over k and cast to dtype [T, h] in one launch (torch's sum over
+    the middle axis and the cast were two, 5 us a layer on the H200: docs/LEARNED.md §10g)."""
+    y = y.contiguous()
+    T, K, N = y.shape
+    out = torch.empty(T, N, dtype=dtype, device=y.device)
+    _sum_pairs[(T, triton.cdiv(N, 256))](y, out, K, N, BLOCK=256, num_warps=2)
+    return out
+
+
 weighted_pairs.serves = serves
+weighted_pairs.sum_pairs = sum_pairs
 pairs.weighted_pairs = weighted_pairs
 
 

@@ -1,0 +1,138 @@
+"""The q4 decode launches alone on a GPU: layers/q4_tiled.py's (split, groups a step, warps) for gate + up and for
+down, against the kernels before it (moe_triton's any-row and block kernels), one decode row's 8 pairs of a
+Qwen3-30B-A3B-shaped layer (h 2048, 768 per expert, q4) read in place from a slab of 128 random records:
+
+    python benchmarks/q4_tiles.py [--slots 128] [--k 8] [--best FILE]
+
+A tile: (split, groups a step, warps[, prefetch]). Each arm: 16 calls, each on another random set of k slots (the
+slab is 6x the L2: the reads come from HBM), captured in one CUDA graph, replayed 20 times; the median replay / 16
+is a call's time, its expert bytes / that time its rate beside a 2 GiB device copy's. --best writes the fastest
+tiled arm as `GU/DOWN` (e.g. 2.1.4.1/1.4.8) for gpu_profile.py --q4-tiles. Not a test; docs/LEARNED.md §10g has the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from expert_parallel_gpu import hbm_rate  # noqa: E402
+from waste.container.bank import _DTYPES, RecordLayout  # noqa: E402
+from waste.layers import moe_triton, q4_tiled  # noqa: E402
+from waste.layers.moe import MATRICES, Bank  # noqa: E402
+from waste.quant.formats import get_format  # noqa: E402
+
+GU = [(4, 1, 4), (2, 2, 4), (1, 4, 8), (4, 1, 4, 1), (2, 1, 4, 1), (8, 1, 4, 1), (4, 1, 8, 1), (1, 1, 8, 1)]
+DOWN = [(1, 4, 8), (1, 2, 4), (1, 1, 8, 1), (1, 1, 4, 1), (2, 1, 4, 1), (3, 1, 4, 1)]
+
+
+def random_bank(h: int, inter: int, n: int) -> tuple[Bank, int]:
+    """n records of random nibbles with sane (scale, zero) pairs, laid out as the expert store's slab."""
+    fmt = get_format("q4")
+    shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+    rec = {}
+    for m in MATRICES:
+        for k, v in fmt.pack(torch.randn(shapes[m]) / h ** 0.5).items():
+            rec[f"{m}.{k}"] = v
+    layout = RecordLayout.from_tensors(rec)
+    rows = torch.randint(0, 256, (n, layout.record_bytes), dtype=torch.uint8, device="cuda")
+    parts = {m: {} for m in MATRICES}
+    for p in layout.parts:
+        m, _, suffix = p.name.partition(".")
+        t = rows[:, p.offset:p.offset + p.nbytes].view(_DTYPES[p.dtype]).view(n, *p.shape)
+        if suffix == "sz":
+            t.copy_(torch.randn(t.shape, device="cuda") * 0.01)
+        parts[m][suffix] = t
+    return Bank(parts, shapes, fmt), layout.payload_bytes
+
+
+def time_arm(fn, sets, reps: int = 20) -> float:
+    """Seconds a call: len(sets) calls in one graph, replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for sl in sets[:2]:
+            fn(sl)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for sl in sets:
+            fn(sl)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / len(sets))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--slots", type=int, default=128)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--best", type=Path)
+    ap.add_argument("--tiles", help="one tiled arm only (GU/DOWN, e.g. 4.1.4/1.4.8), no other arm (for ncu)")
+    a = ap.parse_args()
+    rate = hbm_rate()
+    bank, rec = random_bank(2048, 768, a.slots)
+    gen = torch.Generator().manual_seed(0)
+    sets = [torch.randperm(a.slots, generator=gen)[:a.k].view(1, a.k).cuda() for _ in range(16)]
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(1, a.k, device="cuda")
+    byts = a.k * rec
+    print(f"{torch.cuda.get_device_name()}: HBM copy {rate / 1e9:.0f} GB/s; {a.k} pairs x {rec / 1e6:.2f} MB = "
+          f"{byts / 1e6:.1f} MB a call = bound {1e6 * byts / rate:.1f} us", flush=True)
+    ref = None
+
+    def arm(name, fn):
+        nonlocal ref
+        t = time_arm(fn, sets)
+        y = fn(sets[0]).float()
+        err = 0.0 if ref is None else float((y - ref).norm() / ref.norm())
+        ref = y if ref is None else ref
+        print(f"{name:28s} {1e6 * t:7.1f} us  {byts / t / 1e9:6.0f} GB/s = {100 * byts / t / rate:5.1f}% of HBM"
+              f"  rel. to the first arm {err:.1e}", flush=True)
+        return t
+
+    def old(block):
+        def fn(sl):
+            moe_triton.Q4_TILED, moe_triton.Q4_BLOCK = False, block
+            return moe_triton.weighted_pairs(x, sl, w, bank)
+        return fn
+
+    grid = list(itertools.product(GU, DOWN))
+    if a.tiles:
+        grid = [tuple(tuple(int(v) for v in part.split(".")) for part in a.tiles.split("/"))]
+    else:
+        arm("untiled (any-row, §10b)", old(False))
+        arm("block (Q4_BLOCK)", old(True))
+    moe_triton.Q4_TILED, moe_triton.Q4_BLOCK = True, False
+    flat_w = w.reshape(-1)
+    res = []
+    for gu, down in grid:
+        def fn(sl, gu=gu, down=down):
+            return q4_tiled.weighted_pairs(x, sl.reshape(-1), flat_w, bank, a.k, moe_triton._delta, gu=gu, down=down)
+        res.append((arm(f"tiled gu {gu} down {down}", fn), gu, down))
+    res.sort()
+    for t, gu, down in res[:8]:
+        print(f"top: gu {gu} down {down} {1e6 * t:.1f} us = {100 * byts / t / rate:.1f}% of HBM")
+    t, gu, down = res[0]
+    spec = f"{'.'.join(map(str, gu))}/{'.'.join(map(str, down))}"
+    print(f"best tiled: {spec}: {1e6 * t:.1f} us = {100 * byts / t / rate:.1f}% of HBM", flush=True)
+    if a.best:
+        a.best.write_text(spec)
+
+
+if __name__ == "__main__":
+    main()
