@@ -6,10 +6,13 @@ kernel matrix by matrix (layers/moe.py `segments`: 296 kernel calls of ~26 us in
 model, docs/LEARNED.md §10c). Here the pairs are sorted by slot inside the kernel, and each 64-row block of an
 expert's matrix is dequantized once (quant/q4_rows.py) and applied to every row routed to that expert; the tasks
 (expert, block, up to RB rows) are spread over torch's thread count, gate and up first, the SwiGLU, then down.
+`pairs_q4_i8` is the same plan with every input rounded to int8 and full blocks multiplied by VNNI
+(quant/q4_vnni.py): the kernel for records above q4_vnni.MIN_WEIGHTS on a host with VNNI (§10f).
 
-Bits: q4_rows computes each row alone in one written order (explicit fma, no fast-math), so a pair's output is the
-same whatever thread runs it, whatever rows share its expert, and in whichever group of a budget-limited layer its
-expert lands. Pairs whose slot is -1 are left zero (layers/moe.py's contract).
+Bits: q4_rows computes each row alone in one written order (explicit fma, no fast-math), and the VNNI rows are
+exact integer sums with the decode row's epilogue, so a pair's output is the same whatever thread runs it, whatever
+rows share its expert, and in whichever group of a budget-limited layer its expert lands (the VNNI pairs: the
+decode row's bits too). Pairs whose slot is -1 are left zero (layers/moe.py's contract).
 """
 from __future__ import annotations
 
@@ -21,15 +24,15 @@ from ..numba_ptr import at, follow_torch_threads
 from ..quant.int4pack import BLOCK
 from ..quant.q4_int8 import quantize_rows
 from ..quant.q4_numba import i8_blocks, q4_block
-from ..quant.q4_rows import block_rows
 from ..quant import q4_vnni
+from ..quant.q4_rows import block_rows
 from ..quant.q4_vnni import QUAD, block_rows_i8
 from .cpu_kernels import act
 from .moe_cpu import _flat
 
 RB = 32           # rows per task: an expert with more rows is split (the tile is dequantized once per task)
-# records whose matrices have more weights than this stay on torch's int4 kernel, expert by expert: at the 30B
-# shape (768 x 2048) that measured faster (LEARNED §10c: 608 ms a 128-token prefill against 832 through here),
+# without VNNI, records whose matrices have more weights than this stay on torch's int4 kernel, expert by expert: at
+# the 30B shape (768 x 2048) that measured faster (LEARNED §10c: 608 ms a 128-token prefill against 832 through here),
 # at the bundled model's (96 x 320) this call is (18.1 ms against 20.8)
 MAX_WEIGHTS = 1 << 18
 

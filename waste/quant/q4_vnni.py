@@ -133,18 +133,24 @@ def _rows_pass(builder, R, first, count, x):
                 builder.store(builder.fadd(builder.load(dst, align=4), row), dst, align=4)
 
 
+def arrays(context, builder, sig, args):
+    """An intrinsic's array arguments as numba array structs (None for the others), and data(i, t): argument i's
+    data pointer as a pointer to t (real pointer provenance, as q4_int8._data says why)."""
+    arr = [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else None
+           for t, a in zip(sig.args, args)]
+
+    def data(i, t):
+        return builder.bitcast(arr[i].data, t.as_pointer())
+    return arr, data
+
+
 @intrinsic
 def block_rows_i8(typingctx, q_a, sz_a, N, xq, d, d8sq, sx, xi, nr, tile, acc):
     """acc[r, :64] = one full block's 64 rows of W times row xi[r] of xq (int8 [R, K], rounded by
     q4_int8.quantize_row with d, d8sq, sx float32 [R, G]), r < nr. q_a: the block's nibbles (K x 32 bytes); sz_a: its
     first row's (s, z) bf16 pair in group 0, group g's N pairs further. Scratch: tile uint8 [K / G / 4 * 256]."""
     def codegen(context, builder, sig, args):
-        tys = sig.args
-        arr = [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else None
-               for t, a in zip(tys, args)]
-
-        def data(i, t):
-            return builder.bitcast(arr[i].data, t.as_pointer())
+        arr, data = arrays(context, builder, sig, args)
         K = cgutils.unpack_tuple(builder, arr[3].shape)[1]
         G = cgutils.unpack_tuple(builder, arr[4].shape)[1]
         x = {"xq": data(3, _I8), "d": data(4, _F32), "d8": data(5, _F32), "sx": data(6, _F32),

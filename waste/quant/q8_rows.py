@@ -22,7 +22,7 @@ from numba.extending import intrinsic
 
 from ..numba_ptr import at, follow_torch_threads
 from .q4_int8 import quantize_rows
-from .q4_vnni import QUAD, _B64, _F32, _I8, _I32, _I64, _V16, _VF, _c, _splat, _vec, available
+from .q4_vnni import QUAD, _B64, _F32, _I8, _I32, _I64, _V16, _VF, _c, _splat, _vec, arrays, available
 
 XB = 32                         # x's rounding block (q8_numba's)
 ROWS = 64                       # weight rows a tile; rows of x a task below
@@ -86,12 +86,7 @@ def block_rows_q8(typingctx, w_a, K, xu, d, xi, nr, tile, sw, acc):
     the int8 row xi[r] in block b), r < nr: xu uint8 [R, Kp] (xq + 128), d float32 [R, K / 32]. Scratch: tile
     uint8 [8 * 256], sw int32 [64]."""
     def codegen(context, builder, sig, args):
-        tys = sig.args
-        arr = [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else None
-               for t, a in zip(tys, args)]
-
-        def data(i, t):
-            return builder.bitcast(arr[i].data, t.as_pointer())
+        arr, data = arrays(context, builder, sig, args)
         dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _V16, _V16]),
                                              "llvm.x86.avx512.vpdpbusd.512")
         K, nr = args[1], args[5]
