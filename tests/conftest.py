@@ -12,6 +12,8 @@ if not torch.cuda.is_available():
     # defined, and some tests import triton before that module does, so the whole session sets it first
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import waste  # noqa: E402,F401  (sets MKL's reproducible mode before any test's first matmul: waste/__init__.py)
+
 
 @pytest.fixture(scope="session")
 def releases(tmp_path_factory):
