@@ -134,6 +134,45 @@ def test_rms_rows_match_torch_and_a_rows_bits_do_not_depend_on_the_batch():
     assert norm_cpu.rms_rows(torch.randn(2, 3, 8), torch.ones(8), 1e-6).shape == (2, 3, 8)
 
 
+def test_bf16_rms_rows_are_the_bf16_lines_and_a_rows_bits_do_not_depend_on_the_batch():
+    """A bf16 row's norm: x / rms(x) rounded to bf16, times the bf16 weight, rounded again (norm.py's lines in torch,
+    which only the float32 sum's order can move: by one bf16 step at most, rarely)."""
+    from waste.layers.norm import rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    for h, wdt in ((8, torch.bfloat16), (320, torch.float32), (2048, torch.bfloat16), (2048, torch.float32)):
+        # the weight in bf16, or float32 (a bf16 model's trunk keeps its norms so): used as rounded to bf16
+        x, w = torch.randn(5, h, generator=g).bfloat16(), (1 + torch.randn(h, generator=g) / 4).to(wdt)
+        got = norm_cpu.rms_rows(x, w, 1e-6)
+        assert got.dtype == torch.bfloat16 and torch.equal(rms_norm(x, w, 1e-6), got)     # norm.py takes it
+        xf = x.float()
+        lines = w.bfloat16() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+        step = (lines.float().abs() * 2 ** -7).clamp_min(1e-30)             # one bf16 step (8-bit significand)
+        off = (got.float() - lines.float()).abs()
+        assert (off <= step).all() and (off > 0).float().mean() < 0.02
+        for i in range(5):
+            buf = torch.zeros(h + i + 3, dtype=torch.bfloat16)              # the row alone, at another alignment
+            buf[i:i + h] = x[i]
+            assert torch.equal(norm_cpu.rms_rows(buf[i:i + h].view(1, h), w, 1e-6), got[i:i + 1])
+
+
+def test_bf16_weighted_row_is_the_float32_sum_rounded_once():
+    """layers/moe.py weighted_sum of a bf16 decode row: the pairs widened, summed in float32 in ascending k, rounded
+    once to bf16 (as the bmm of the widened pairs then the cast it replaces, within that rounding)."""
+    from waste.layers.moe import weighted_sum
+
+    g = torch.Generator().manual_seed(2)
+    for k, h in ((8, 2048), (2, 64), (1, 8)):
+        y, w = torch.randn(1, k, h, generator=g).bfloat16(), torch.rand(1, k, generator=g)
+        got = weighted_sum(y, w)
+        exact = (w.double().unsqueeze(-1) * y.double()).sum(1)
+        assert got.dtype == torch.bfloat16 and got.shape == (1, h)
+        ref = torch.bmm(w.unsqueeze(1), y.float()).squeeze(1)
+        assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5).all()     # half a bf16 step
+        assert ((got.float() - ref.bfloat16().float()).abs() <= ref.abs() * 2 ** -7 + 1e-30).all()
+        assert (got != ref.bfloat16()).float().mean() < 0.01
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_decode_row_against_float64_and_its_cache_write(dtype, threads):
     """layers/attention_cpu.py: q/k norm, rotary, the cache write and attention of one row. A bf16 row (models above

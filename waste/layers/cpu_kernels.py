@@ -191,6 +191,18 @@ def weighted_row(y_p, w_p, k, h, out):      # out[i] = sum_j w[j] * y[j, i], j a
             out[0, i] += wj * yj[i]
 
 
+@numba.njit(fastmath=True, cache=True)
+def weighted_row_bf16(y_p, w_p, k, h, o_p):    # weighted_row of bf16 pairs: summed in float32, rounded once
+    y, w, out = at(y_p, (k, h), np.uint16), at(w_p, (k,), np.float32), at(o_p, (h,), np.uint16)
+    acc = np.zeros(h, np.float32)
+    for j in range(k):
+        wj, yj = w[j], y[j]
+        for i in range(h):
+            acc[i] += wj * widen(yj[i])
+    for i in range(h):
+        out[i] = narrow(acc[i], out)
+
+
 @numba.njit(fastmath=True, inline="always")
 def norm_rope(src, w, use_norm, eps, cos, sin, rot, dst, tmp):   # dst = rope(norm(src)), the first rot dims
     d = src.shape[0]
@@ -296,6 +308,32 @@ def softmax_topk_row(x_p, w_p, h, E, k, renorm, weights, ids):
     if renorm:
         for j in range(picked):
             weights[0, j] /= s
+
+
+@numba.njit(fastmath=True, inline="always")
+def rms_bf16_body(x, w, out, R, h, eps):
+    """bf16 rows (their bits) as norm.py's bf16 lines compute them: in float32, x / rms(x) rounded to bf16, then times
+    the weight rounded to bf16 (w: its bf16 bits or float32) and rounded again."""
+    for r in range(R):
+        row = x[r]
+        ss = np.float32(0.0)
+        for i in range(h):
+            v = widen(row[i])
+            ss += v * v
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(h) + np.float32(eps))
+        o = out[r]
+        for i in range(h):
+            o[i] = narrow(widen(narrow(widen(w[i]), o)) * widen(narrow(widen(row[i]) * inv, o)), o)
+
+
+@numba.njit(fastmath=True, cache=True)
+def rms_rows_bf16(x_p, w_p, R, h, eps, o_p):       # the weight in bf16
+    rms_bf16_body(at(x_p, (R, h), np.uint16), at(w_p, (h,), np.uint16), at(o_p, (R, h), np.uint16), R, h, eps)
+
+
+@numba.njit(fastmath=True, cache=True)
+def rms_rows_bf16_w32(x_p, w_p, R, h, eps, o_p):   # the weight in float32 (a trunk's norms in a bf16 model)
+    rms_bf16_body(at(x_p, (R, h), np.uint16), at(w_p, (h,), np.float32), at(o_p, (R, h), np.uint16), R, h, eps)
 
 
 @numba.njit(fastmath=True, cache=True)

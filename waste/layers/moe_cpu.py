@@ -25,7 +25,7 @@ import torch
 def _kernels():
     from . import cpu_kernels as k
 
-    return {"weighted_row": k.weighted_row, "bf16": k.pairs_bf16, "f32": k.pairs_f32, "q8": k.pairs_q8, "q4": k.pairs_q4}
+    return {"weighted_row": k.weighted_row, "weighted_row_bf16": k.weighted_row_bf16, "bf16": k.pairs_bf16, "f32": k.pairs_f32, "q8": k.pairs_q8, "q4": k.pairs_q4}
 
 
 def _flat(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
@@ -77,12 +77,18 @@ class NumbaPairs:
 
 
 def weighted_row(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-    """layers/moe.py weighted_sum of one float32 row on the CPU in one call ([1, k, h], [1, k] -> [1, h]), or None
-    where it does not apply."""
-    if y.shape[0] != 1 or y.dtype != torch.float32 or weights.dtype != torch.float32 or y.device.type != "cpu":
+    """layers/moe.py weighted_sum of one float32 or bf16 row on the CPU in one call ([1, k, h], [1, k] -> [1, h]; a
+    bf16 row's sum in float32, rounded once, as torch's bmm of the widened pairs then the cast: 5 operators, ~45 us
+    on a streamed decode step's critical path, LEARNED §3l), or None where it does not apply."""
+    if y.shape[0] != 1 or y.dtype not in (torch.float32, torch.bfloat16) or weights.dtype != torch.float32 \
+            or y.device.type != "cpu":
         return None
     y = y if y.is_contiguous() else y.contiguous()
     weights = weights if weights.is_contiguous() else weights.contiguous()
+    if y.dtype == torch.bfloat16:
+        out = torch.empty((1, y.shape[2]), dtype=torch.bfloat16)
+        _kernels()["weighted_row_bf16"](y.data_ptr(), weights.data_ptr(), y.shape[1], y.shape[2], out.data_ptr())
+        return out
     out = np.empty((1, y.shape[2]), np.float32)
     _kernels()["weighted_row"](y.data_ptr(), weights.data_ptr(), y.shape[1], y.shape[2], out)
     return torch.from_numpy(out)
@@ -129,11 +135,14 @@ def warm() -> None:
     nib, sz = np.zeros(h * inter // 2, np.uint8), np.zeros(h * inter, np.uint16)
     ks["q4"](x.data_ptr(), h, slots.data_ptr(), k, nib, sz, nib, sz, nib, sz, os, np.ones(3, i64), inter, f32(-1), out)
     weighted_row(torch.zeros(1, k, h), torch.zeros(1, k))
+    weighted_row(torch.zeros(1, k, h, dtype=torch.bfloat16), torch.zeros(1, k))
     router_cpu.softmax_topk_row(x, torch.zeros(4, h), 2, True)
     H, G, d = 2, 1, 8
     buf = torch.zeros(4, G, d)
     attention_cpu.gqa_row(torch.zeros(1, (H + 2 * G) * d), H, G, torch.ones(d), torch.ones(d), 1e-6, torch.ones(d),
                           torch.zeros(d), buf, buf.clone(), 0)
     norm_cpu.rms_rows(x, torch.ones(h), 1e-6)
+    for w in (torch.ones(h), torch.ones(h, dtype=torch.bfloat16)):
+        norm_cpu.rms_rows(x.bfloat16(), w, 1e-6)
     q4 = {"q": torch.zeros(h, h // 2, dtype=torch.uint8), "sz": torch.zeros(1, h, 2, dtype=torch.bfloat16)}
     q4_numba.row(x, q4, (h, h))

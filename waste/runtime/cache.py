@@ -100,8 +100,11 @@ class ExpertCache:
         self.layout = next(iter(self.banks.values())).layout if self.banks else None
         self._parts_of_slot: dict[int, dict] = {}
         # expert -> slot (-1: not resident) per layer, as a tensor: a layer's slots are one index op
-        self.slot_map = torch.full((max(self.banks, default=-1) + 1, max((b.num_experts for b in self.banks.values()),
-                                                                         default=0)), -1, dtype=torch.long)
+        # written through its numpy view (_slots): a torch element write dispatches an operator (~5 us), and a layer's
+        # misses each take two before its reads start (docs/LEARNED.md §3l)
+        self._slots = np.full((max(self.banks, default=-1) + 1, max((b.num_experts for b in self.banks.values()),
+                                                                    default=0)), -1, dtype=np.int64)
+        self.slot_map = torch.from_numpy(self._slots)
         self.layer_slots = list(self.slot_map)        # one view per layer: a layer's lookup is one index op
         self.readers = {l: BankReader(b, direct) for l, b in self.banks.items()}
         self.direct = all(r.direct for r in self.readers.values()) if self.readers else False
@@ -460,13 +463,13 @@ class ExpertCache:
     def _assign(self, key, slot: int) -> None:
         self.slot_of[key], self.key_of[slot] = slot, key
         self._held[slot] = True
-        self.slot_map[key[0], key[1]] = slot
+        self._slots[key[0], key[1]] = slot
 
     def _unassign(self, key) -> None:
         slot = self.slot_of.pop(key)
         self.key_of[slot] = None
         self._held[slot] = False
-        self.slot_map[key[0], key[1]] = -1
+        self._slots[key[0], key[1]] = -1
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def resident_count(self) -> int:

@@ -17,6 +17,7 @@ import hashlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from ..container.bank import RecordLayout
@@ -74,7 +75,9 @@ class GeneratedExperts(ExpertCache):
         self.slot_of, self.key_of, self.free = {}, [None] * self.n_slots, []
         self._held = torch.zeros(self.n_slots, dtype=torch.bool).numpy()     # ExpertCache._take_slots's mask
         self._flight_lock, self._in_flight, self._busy_since = threading.Lock(), 0, 0.0   # (no reads: never busy)
-        self.slot_map = torch.full((max(layers, default=-1) + 1, max(layers.values(), default=0)), -1, dtype=torch.long)
+        # ExpertCache's slot map: written through its numpy view
+        self._slots = np.full((max(layers, default=-1) + 1, max(layers.values(), default=0)), -1, dtype=np.int64)
+        self.slot_map = torch.from_numpy(self._slots)
         self.layer_slots = list(self.slot_map)
         self.half_life, self.policy, self.step = 0.0, LFRU(self.n_slots, 0.0), 1.0 / max(len(layers), 1)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="waste-generated")
