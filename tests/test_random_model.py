@@ -105,6 +105,13 @@ def test_presets_are_the_real_shapes():
     assert (c["hidden_size"], c["moe"]["num_experts"], c["moe"]["top_k"], len(kl["experts"]["layers"])) == (2304, 256, 8, 26)
     assert [l["attn"] for l in c["layers"]][:8] == ["kda"] * 3 + ["mla"] + ["kda"] * 3 + ["mla"]
     assert c["layers"][26]["attn"] == "mla" and c["layers"][0]["mlp"] == "dense"
+    g = RandomModel("random:glm-5.3-flash,experts=q4", "cpu").manifest
+    c = g["config"]
+    assert (c["hidden_size"], c["moe"]["num_experts"], c["moe"]["top_k"], len(g["experts"]["layers"])) == (4096, 288, 8, 42)
+    assert [l["attn"] for l in c["layers"]][:8] == ["kda"] * 3 + ["mla"] + ["kda"] * 3 + ["mla"]
+    assert (c["mla"]["qk_nope_head_dim"], c["mhc"]["hc_mult"], c["swiglu_limit"]) == (256, 4, 10.0)
+    cut = RandomModel("random:glm-5.3-flash,layers=5", "cpu").manifest["config"]     # its three per-layer lists cut
+    assert [l["mlp"] for l in cut["layers"]] == ["dense"] * 3 + ["moe"] * 2 and len(cut["dsa"]["indexer_types"]) == 5
 
 
 def test_kimi_linear_generates_the_trunk_its_release_converts_to(releases):
@@ -115,6 +122,27 @@ def test_kimi_linear_generates_the_trunk_its_release_converts_to(releases):
     from safetensors import safe_open
 
     _, src, cont = releases["kimi_linear"]
+    spec = f"random:{src / 'config.json'}"
+    with safe_open(str(cont / "trunk.safetensors"), "pt") as f:
+        stored = {n: math.prod(f.get_slice(n).get_shape()) for n in f.keys()}
+    assert {n: math.prod(s) for n, s in RandomModel(spec, "cpu").spec} == stored
+    a = logits(spec)
+    assert torch.isfinite(a).all() and a.std() > 0.1 and torch.equal(a, logits(spec))
+
+
+def test_glm5_generates_the_trunk_its_release_converts_to(tmp_path):
+    """GLM-5.3's oracle fixture (KDA, DSA-MLA with a shared indexer layer, mHC, dense then sparse MLPs): every trunk
+    tensor the converted release holds, by name and values' count, and a model that runs, the same for one seed."""
+    import math
+
+    from fixtures import save_release
+    from safetensors import safe_open
+    from test_oracle_glm5 import glm5_model
+
+    from waste.convert.convert import convert
+
+    src = save_release(glm5_model(), tmp_path / "src")
+    cont = convert(src, tmp_path / "glm5.waste", experts="bf16", trunk="bf16", progress=False)
     spec = f"random:{src / 'config.json'}"
     with safe_open(str(cont / "trunk.safetensors"), "pt") as f:
         stored = {n: math.prod(f.get_slice(n).get_shape()) for n in f.keys()}

@@ -2,8 +2,9 @@
 no release, no container, no disk (benchmarks of shapes that no disk here holds; expert parallel across GPUs).
 
     MODEL = random:NAME[,layers=N][,experts=FMT][,seed=S]
-    NAME  = a preset (qwen3-30b-a3b, kimi-k3, kimi-linear-48b-a3b) or the path of a Hugging Face config.json (any
-            family whose adapter lists its trunk shapes: qwen3_moe, kimi_k3, kimi_linear, mixtral, glm4_moe, gpt_oss)
+    NAME  = a preset (qwen3-30b-a3b, kimi-k3, kimi-linear-48b-a3b, glm-5.3-flash) or the path of a Hugging Face
+            config.json (any family whose adapter lists its trunk shapes: qwen3_moe, kimi_k3, kimi_linear, mixtral,
+            glm4_moe, gpt_oss, glm5_next)
 
 layers: the first N of the release's layers (its layer lists cut to them); experts: the expert record format (bf16
 default; q8, q4, mxfp4 ... as runtime/generated.py says); seed: 0 default. The family's adapter normalises the config
@@ -69,7 +70,27 @@ def _kimi_linear_48b() -> dict:
             "pad_token_id": 163839, "tie_word_embeddings": False}
 
 
-PRESETS = {"qwen3-30b-a3b": _qwen3_30b, "kimi-k3": _kimi_k3, "kimi-linear-48b-a3b": _kimi_linear_48b}
+def _glm53_flash() -> dict:
+    """../shared/reference/architectures.md §4.4 (transformers 5.24's Glm5NextTextConfig defaults, its checkpoint
+    docstring's zai-org/GLM-5.3-Flash): 45 layers, KDA but every 4th (0-based 3, 7, ...) DSA-MLA, 3 dense then
+    288 experts top-8 + 1 shared, mHC over 4 streams."""
+    n = 45
+    text = {"vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+            "num_hidden_layers": n, "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 288,
+            "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+            "n_group": 1, "topk_group": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 256,
+            "qk_rope_head_dim": 0, "v_head_dim": 256, "linear_head_dim": 128, "linear_num_heads": 64,
+            "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0, "index_topk": 2048, "index_head_dim": 128,
+            "index_n_heads": 32, "index_kpool": 16, "index_kpool_always_select_tail": True,
+            "layer_types": ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n)],
+            "indexer_types": ["full"] * n, "mlp_layer_types": ["dense"] * 3 + ["sparse"] * (n - 3), "hc_mult": 4,
+            "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "swiglu_limit": 10.0, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 1048576, "pad_token_id": 154820, "tie_word_embeddings": False}
+    return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text}
+
+
+PRESETS = {"qwen3-30b-a3b": _qwen3_30b, "kimi-k3": _kimi_k3, "kimi-linear-48b-a3b": _kimi_linear_48b,
+           "glm-5.3-flash": _glm53_flash}
 
 
 def is_random(path) -> bool:
@@ -115,8 +136,9 @@ def cut_layers(cfg: dict, n: int, spec: str) -> dict:
     if lac:      # 1-indexed lists (Kimi)
         cfg["linear_attn_config"] = {k: [i for i in v if i <= n] if k.endswith("_layers") and isinstance(v, list)
                                      else v for k, v in lac.items()}
-    if isinstance(cfg.get("layer_types"), list):
-        cfg["layer_types"] = cfg["layer_types"][:n]
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):     # per-layer lists (GLM-5.3: all three)
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][:n]
     if isinstance(cfg.get("mlp_only_layers"), list):
         cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < n]
     return cfg
@@ -152,7 +174,8 @@ class RandomModel:
         shapes = adapter.expected_shapes()
         if not shapes:
             raise WasteError(f"{spec}: the {adapter.family} adapter does not list its trunk shapes, so its model "
-                             "cannot be generated; random models cover qwen3_moe, kimi_k3, kimi_linear, mixtral, glm4_moe, gpt_oss")
+                             "cannot be generated; random models cover qwen3_moe, kimi_k3, kimi_linear, mixtral, glm4_moe, gpt_oss, "
+                             "glm5_next")
         cfg = adapter.config
         self.root, self.banks = PurePath(spec), {}
         self.spec = [(adapter.trunk_target(n), _shape(n, shapes[n], cfg)) for n in adapter.trunk_names()]

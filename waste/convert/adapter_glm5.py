@@ -155,6 +155,56 @@ class Glm5NextAdapter(Adapter):
                                  hf.get("routed_scaling_factor", 2.5), n_shared, hf.get("n_group"), hf.get("topk_group"))
         return cfg
 
+    def expected_shapes(self) -> dict:
+        """Every trunk tensor's canonical name -> its shape from config.json (transformers 5.24's layout; ("numel", n)
+        where a release may store another layout of the same values: the conv weights, dt_bias)."""
+        c = self.config
+        D, V, k, m, dsa, moe = c["hidden_size"], c["vocab_size"], c["kda"], c["mla"], c["dsa"], c["moe"]
+        hc = c["mhc"]["hc_mult"]
+        H, d = k["num_heads"], k["head_dim"]
+        C = H * d
+        Hm, nope, vd, qr, kvr = m["num_heads"], m["qk_nope_head_dim"], m["v_head_dim"], m["q_lora_rank"], m["kv_lora_rank"]
+        Hi, di = dsa["index_n_heads"], dsa["index_head_dim"]
+        out = {"model.embed_tokens.weight": [V, D], "model.norm.weight": [D]}
+        if not c["tie_word_embeddings"]:
+            out["lm_head.weight"] = [V, D]
+        for i, l in enumerate(c["layers"]):
+            p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+            out.update({f"{p}.input_layernorm.weight": [D], f"{p}.post_attention_layernorm.weight": [D]})
+            for s in ("attn", "ffn"):    # mHC: pre and post weights (hc each) and the hc x hc mixing, from hc streams
+                out.update({f"{p}.hc_{s}_fn": [(2 + hc) * hc, hc * D], f"{p}.hc_{s}_base": [(2 + hc) * hc],
+                            f"{p}.hc_{s}_scale": [3]})
+            if l["attn"] == "kda":
+                out.update({f"{a}.{x}_proj.weight": [C, D] for x in "qkv"})
+                out.update({f"{a}.{x}_conv1d.weight": ("numel", C * k["conv_kernel"]) for x in "qkv"})
+                out.update({f"{a}.f_a_proj.weight": [d, D], f"{a}.f_b_proj.weight": [C, d], f"{a}.b_proj.weight": [H, D],
+                            f"{a}.g_a_proj.weight": [d, D], f"{a}.g_b_proj.weight": [C, d], f"{a}.o_norm.weight": [d],
+                            f"{a}.o_proj.weight": [D, C], f"{a}.A_log": [H], f"{a}.dt_bias": ("numel", C)})
+            else:                         # MLA without rope (NoPE), q through its LoRA
+                out.update({f"{a}.q_a_proj.weight": [qr, D], f"{a}.q_a_layernorm.weight": [qr],
+                            f"{a}.q_b_proj.weight": [Hm * nope, qr], f"{a}.kv_a_proj_with_mqa.weight": [kvr, D],
+                            f"{a}.kv_a_layernorm.weight": [kvr], f"{a}.kv_b_proj.weight": [Hm * (nope + vd), kvr],
+                            f"{a}.o_proj.weight": [D, Hm * vd]})
+                if dsa["indexer_types"][i] == "full":
+                    x = f"{a}.indexer"
+                    out.update({f"{x}.wq_b.weight": [Hi * di, qr], f"{x}.wk.weight": [di, D], f"{x}.k_norm.weight": [di],
+                                f"{x}.k_norm.bias": [di], f"{x}.weights_proj.weight": [Hi, D],
+                                f"{x}.index_kpool_compress_ape": [dsa["index_kpool"], di],
+                                f"{x}.index_kpool_compress_gate": [di, D]})
+            if l["mlp"] != "moe":
+                I = c["intermediate_size"]
+                out.update({f"{p}.mlp.gate_proj.weight": [I, D], f"{p}.mlp.up_proj.weight": [I, D],
+                            f"{p}.mlp.down_proj.weight": [D, I]})
+                continue
+            out.update({f"{p}.mlp.gate.weight": [moe["num_experts"], D],
+                        f"{p}.mlp.gate.e_score_correction_bias": [moe["num_experts"]]})
+            if moe["num_shared_experts"]:
+                S = moe["shared_intermediate_size"]
+                out.update({f"{p}.mlp.shared_experts.gate_proj.weight": [S, D],
+                            f"{p}.mlp.shared_experts.up_proj.weight": [S, D],
+                            f"{p}.mlp.shared_experts.down_proj.weight": [D, S]})
+        return out
+
     def layer_names(self, i, layer, p):
         a = f"{p}.self_attn"
         names = [f"{p}.hc_{s}_{x}" for s in ("attn", "ffn") for x in ("fn", "base", "scale")]
