@@ -90,3 +90,26 @@ def test_cuda_matches_cpu_and_a_vram_tier_the_whole_slab(family):
     assert small[3][0] and small[3][1] > small[3][2], f"{name}: the tier never refilled"
     assert torch.equal(small[0], gpu[0]), name
     assert small[1] == gpu[1], name
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "glm5_next"], indirect=True)
+def test_kda_layers_replayed_as_graphs_give_the_eager_bits(family):
+    """Every expert resident: each KDA layer's one-row step is replayed from its captured graph (models/graphs.py),
+    with the state copied in and out: the same logits, bit for bit, as the eager step over four decode rows."""
+    import waste
+
+    name, path = family
+    ids, res = list(range(3, 20)), {}
+    for mode in ("eager", "graphs"):
+        with waste.load(path, dtype="float32", device="cuda") as eng:
+            eng.experts.wait_fill()
+            m = eng.model
+            if mode == "eager":
+                m.graphs = None
+            st = m.new_state()
+            m.forward(torch.tensor(ids), st, 0)
+            res[mode] = torch.cat([m.forward(torch.tensor([t]), st, len(ids) + j, last_only=True)
+                                   for j, t in enumerate((5, 9, 11, 7))])
+            if mode == "graphs":
+                assert len(m.graphs.kdas) == sum(k == "kda" for k in m.kinds) > 0, name
+    assert torch.equal(res["graphs"], res["eager"]), name

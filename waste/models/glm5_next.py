@@ -43,7 +43,8 @@ class Glm5Next(DecoderModel):
 
     def attend(self, i, x, state, positions, scratch):
         if self.kinds[i] == "kda":
-            return kda_forward(x, self.attn_w[i], self.kda_cfg, state)
+            got = self.graphs.kda(i, x, state, self.attn_w[i], self.kda_cfg) if self.graphs is not None else None
+            return got if got is not None else kda_forward(x, self.attn_w[i], self.kda_cfg, state)
         tracing = self.dsa_trace is not None or self.dsa_dump is not None
         start = len(state)
         # a layer without its own indexer reuses the selection of the last one with it, within this step

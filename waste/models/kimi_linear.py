@@ -27,7 +27,8 @@ class KimiLinear(DecoderModel):
 
     def attend(self, i, x, state, positions, scratch):
         if self.kinds[i] == "kda":
-            return kda_forward(x, self.attn_w[i], self.kda_cfg, state)
+            got = self.graphs.kda(i, x, state, self.attn_w[i], self.kda_cfg) if self.graphs is not None else None
+            return got if got is not None else kda_forward(x, self.attn_w[i], self.kda_cfg, state)
         return mla_forward(x, self.attn_w[i], self.mla_cfg, state, positions)
 
 
