@@ -13,13 +13,13 @@ if [[ $STEPS == *1* ]]; then
   for L in 28 16; do
     step "1: GLM-5.3-Flash, q4, $L layers: fused / torch"
     timeout 260 python3 benchmarks/gpu_profile.py random:glm-5.3-flash,experts=q4,layers=$L -n 16 --rounds 2 \
-      --profile ${PROFILE:-0} --arms fused,torch --json "$OUT/glm5_$L.json" 2>&1 | grep -v -i warn | tail -30 && break
+      --profile ${PROFILE:-0} --arms fused,kdaeager,torch --json "$OUT/glm5_$L.json" 2>&1 | grep -v -i warn | tail -30 && break
   done
 fi
 if [[ $STEPS == *3* ]]; then
   step "3: Kimi-Linear, q4, 27 layers: fused / torch"
   timeout 200 python3 benchmarks/gpu_profile.py random:kimi-linear-48b-a3b,experts=q4 -n 32 --rounds 2 --profile 0 \
-    --arms fused,torch --json "$OUT/kimi.json" 2>&1 | grep -v -i warn | tail -30
+    --arms fused,kdaeager,torch --json "$OUT/kimi.json" 2>&1 | grep -v -i warn | tail -30
 fi
 if [[ $STEPS == *2* ]]; then
   step "2: every family's oracle fixture on CUDA (transformers, openai and fastapi from the carried wheels)"

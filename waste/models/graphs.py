@@ -38,6 +38,7 @@ class DecodeGraphs:
         self.pool = None
         self.capturing = False
         self.whole = True               # whole-step graphs where the family allows (the benchmark turns them off)
+        self.kda_on = True              # KDA layers' graphs (the benchmark turns them off)
 
     @property
     def model(self):
@@ -106,7 +107,7 @@ class DecodeGraphs:
         """Layer i's KDA step of one row by replaying its graph (captured on first use): (out, the new state, its
         own tensors); None where the eager path must run. The state is copied into the graph's inputs and the
         outputs copied out, so states stay values (a sequence's state is never the graph's buffers)."""
-        if x.shape[0] != 1 or state is None or not self.usable():
+        if not self.kda_on or x.shape[0] != 1 or state is None or not self.usable():
             return None
         ins = (state.conv_q, state.conv_k, state.conv_v, state.S)
         g = self.kdas.get(i)
