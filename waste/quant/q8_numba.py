@@ -12,8 +12,8 @@ on neither the thread count nor the other rows. Import lazily: importing this mo
 Where the host has AVX-512 VNNI, matrices from VNNI_MIN weights take `rows_dot_vnni` instead: `vpdpbusd` needs one
 unsigned operand, so x goes in as xq + 128 and 128 x the codes' sum (a second vpdpbusd against ones) is taken off
 each lane; a pass covers 64 k (two blocks, their scales in one 16-lane vector), four rows a pass sharing the loads
-of x and the scales, the next pass's rows prefetched. Other bits than the kernel above (another summation), the
-same rules: exact integer lanes, a fixed float order, no dependence on threads or rows.
+of x and the scales, the next pass's rows prefetched (PF_ROWS). Other bits than the kernel above (another
+summation), the same rules: exact integer lanes, a fixed float order, no dependence on threads or rows.
 """
 from __future__ import annotations
 
@@ -97,7 +97,13 @@ def q8_row_serial(x_p, q_p, s_p, N, K, y):       # the same chunks in order (sma
 _B64, _V16I, _V16F = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 
 
-def _rows_dot_vnni(Rv):
+# each 64 bytes of a row read with the line PF_ROWS rows and PF_BYTES on prefetched (the next pass's, a little ahead):
+# a 30B-shaped layer's q/k/v and o cold on one thread 0.80-0.83 -> 0.63-0.65 ms, hot 0.32-0.42 -> 0.27-0.28
+# (benchmarks/q8_row_prefetch.py, docs/LEARNED.md §3m); the rows' bits are unchanged
+PF_ROWS, PF_BYTES = 4, 512
+
+
+def _rows_dot_vnni(Rv, pf_rows=PF_ROWS, pf_bytes=PF_BYTES):
     @intrinsic
     def rows_dot_vnni(typingctx, w_a, K, xu, dv, nch, half, out):
         """out[j] (j < R, R 1 or 4) = sum over the blocks of row j (codes at w_a + j K) of d[b] * (codes . x rounded):
@@ -128,8 +134,13 @@ def _rows_dot_vnni(Rv):
                 xv = builder.bitcast(builder.load(_at(builder, xs, k, _B64), align=1), _V16I)
                 dvec = builder.load(_at(builder, dp, builder.mul(c, ir.Constant(i64, 16)), _V16F), align=4)
                 for j in range(Rv):
-                    wv = builder.bitcast(load_w(builder.gep(w, [builder.add(builder.mul(K, ir.Constant(i64, j)), k)])),
-                                         _V16I)
+                    at_w = builder.add(builder.mul(K, ir.Constant(i64, j)), k)
+                    if pf_rows or pf_bytes:        # a prefetch past the matrix's end cannot fault
+                        ahead = builder.add(at_w, ir.Constant(i64, pf_bytes))
+                        ahead = builder.add(ahead, builder.mul(K, ir.Constant(i64, pf_rows)))
+                        builder.call(pf, [builder.gep(w, [ahead]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                          ir.Constant(_I32, 1)])
+                    wv = builder.bitcast(load_w(builder.gep(w, [at_w])), _V16I)
                     xw = builder.call(dot, [zero, xv, wv])
                     sw = builder.call(dot, [zero, builder.bitcast(ones_v, _V16I), wv])
                     t = builder.sitofp(builder.sub(xw, builder.shl(sw, seven)), _V16F)
@@ -157,32 +168,36 @@ def _rows_dot_vnni(Rv):
     return rows_dot_vnni
 
 
-rows4_vnni, row1_vnni = _rows_dot_vnni(4), _rows_dot_vnni(1)
+def vnni_chunk_of(r4, r1):
+    """rows [r0, r1) by VNNI through the given four-row and one-row passes (benchmarks/q8_row_prefetch.py builds
+    other prefetch distances): its own function, not a prange body."""
+    @numba.njit(fastmath=True)
+    def chunk(r0, r1_, x, q, q_a, sc, K, xu, dv, y):
+        nb = K // XBLOCK
+        nch, half = nb // 2, nb % 2
+        out = np.empty(4, np.float32)
+        n = r0
+        while n < r1_:
+            R = 4 if n + 4 <= r1_ else 1
+            if R == 4:
+                r4(q_a + n * K, K, xu, dv, nch, half, out)
+            else:
+                r1(q_a + n * K, K, xu, dv, nch, half, out)
+            for j in range(R):
+                t = out[j]
+                for k in range(nb * XBLOCK, K):
+                    t += np.float32(q[(n + j) * K + k]) * x[k]
+                y[n + j] = t * sc[n + j]
+            n += R
+    return chunk
+
+
+vnni_chunk = vnni_chunk_of(_rows_dot_vnni(4), _rows_dot_vnni(1))
 
 
 @numba.njit(fastmath=True)
-def vnni_chunk(r0, r1, x, q, q_a, sc, K, xu, dv, y):   # rows [r0, r1) by VNNI: its own function, not a prange body
-    nb = K // XBLOCK
-    nch, half = nb // 2, nb % 2
-    out = np.empty(4, np.float32)
-    n = r0
-    while n < r1:
-        R = 4 if n + 4 <= r1 else 1
-        if R == 4:
-            rows4_vnni(q_a + n * K, K, xu, dv, nch, half, out)
-        else:
-            row1_vnni(q_a + n * K, K, xu, dv, nch, half, out)
-        for j in range(R):
-            t = out[j]
-            for k in range(nb * XBLOCK, K):
-                t += np.float32(q[(n + j) * K + k]) * x[k]
-            y[n + j] = t * sc[n + j]
-        n += R
-
-
-@numba.njit(fastmath=True, inline="always")
-def q8_vnni_body(x_p, q_p, s_p, N, K, y):
-    x, q, sc = at(x_p, (K,), np.float32), at(q_p, (N * K,), np.int8), at(s_p, (N,), np.float32)
+def vnni_operands(x, K):
+    """x [K] rounded to int8 in blocks as unsigned bytes (xu = xq + 128) and each pass's 16 lane scales (dv)."""
     G = K // XBLOCK
     nch2 = (G + 1) // 2
     xq, d, d8, sx = np.zeros(G * XBLOCK, np.int16), np.empty(G, np.float32), np.empty(G, np.float32), np.empty(G, np.float32)
@@ -194,6 +209,13 @@ def q8_vnni_body(x_p, q_p, s_p, N, K, y):
         for b in range(G):
             for i in range(8):
                 dv[b // 2, (b % 2) * 8 + i] = d[b]
+    return xu, dv
+
+
+@numba.njit(fastmath=True, inline="always")
+def q8_vnni_body(x_p, q_p, s_p, N, K, y):
+    x, q, sc = at(x_p, (K,), np.float32), at(q_p, (N * K,), np.int8), at(s_p, (N,), np.float32)
+    xu, dv = vnni_operands(x, K)
     for c in numba.prange((N + ROWS - 1) // ROWS):
         vnni_chunk(c * ROWS, min(N, c * ROWS + ROWS), x, q, q_p, sc, K, xu, dv, y)
 
