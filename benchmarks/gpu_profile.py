@@ -9,7 +9,7 @@ then -n timed steps, greedy; median per round): fused = the defaults: layers/dec
 moe_triton.weighted_pairs (q4: layers/q4_tiled.py; SwiGLU applied as the down launch reads, the routing weight too;
 moe_triton.sum_pairs sums the pairs); untiled = fused with q4's kernels before q4_tiled (§10b's any-row kernel);
 prev = §10b's fused kernels (untiled, attention a program a head, torch's sum of the pairs); block = fused with
-q4's block kernel (Q4_BLOCK); kdaeager = fused with KDA layers eager (graphs.py's `kda` off); torch = none of
+q4's block kernel (Q4_BLOCK); kdaeager = fused with KDA layers eager (graphs.py's `layer` off); torch = none of
 them (the path before §10b). Then, per arm, torch.profiler with CUDA
 activities over --profile steps, replayed (whole-step graph) and eager: kernels per step and per layer, kernel time
 per step, the top kernels.
@@ -73,8 +73,8 @@ def set_arm(m, arm: str) -> None:
     if m.graphs is not None:           # captured with the other arm's kernels: capture again, in a new pool (torch
         m.graphs.steps.clear()         # asserts when a pool whose graphs were all freed is captured into again)
         m.graphs.mlps.clear()
-        m.graphs.kdas.clear()
-        m.graphs.kda_on = arm not in ("torch", "kdaeager")
+        m.graphs.layers.clear()
+        m.graphs.layers_on = arm not in ("torch", "kdaeager")
         m.graphs.pool = None
         torch.cuda.synchronize()
 

@@ -44,6 +44,13 @@ class KDAState:
     conv_v: Tensor
     S: Tensor
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.conv_q, self.conv_k, self.conv_v, self.S
+
+    @classmethod
+    def of(cls, tensors) -> "KDAState":
+        return cls(*tensors)
+
     @classmethod
     def empty(cls, cfg: KDAConfig, dtype: torch.dtype = torch.float32, device=None) -> "KDAState":
         C = cfg.num_heads * cfg.head_dim

@@ -197,6 +197,22 @@ class DecoderModel:
                 ys = [y + self.ffn(x, lw, "mlp.shared_experts.") for x, y in zip(xs, ys)]
         return ys
 
+    def fixed_state(self, i: int, st):
+        """Family hook: (layer i's state as fixed-shape tensors, the function rebuilding a state from such tensors)
+        where a one-row step of the whole layer can be captured as a CUDA graph (graphs.py `layer`), else None."""
+        return None
+
+    def layer_row(self, i: int, h, st):
+        """Layer i over one sequence's rows h whose attention needs no position (fixed_state's layers): (h', the
+        layer's new state). What the step's layer loop does for one sequence; graphs.py captures it."""
+        lw = self.layers[i]
+        u, ctx = self.block_in(i, "attn", h)
+        a, st = self.attend(i, rms_norm(u, lw["input_layernorm.weight"], self.eps), st, None, {})
+        h = self.block_out(i, "attn", h, a, ctx)
+        u, ctx = self.block_in(i, "mlp", h)
+        y = self.mlp_many(i, [rms_norm(u, lw["post_attention_layernorm.weight"], self.eps)], [h])[0]
+        return self.block_out(i, "mlp", h, y, ctx), st
+
     def graph_state(self, state, start: int):
         """Family hook: the key of a captured whole decode step for this sequence's state (its buffers), or None
         where the family's attention has no fixed-shape form (then only the MoE layers are graphed)."""
@@ -243,6 +259,11 @@ class DecoderModel:
             positions.append(torch.arange(start, start + ids.shape[0], device=self.device))
             scratch.append({"start": start} if static is None else {"start": start, "static": static})
         for i, lw in enumerate(self.layers):
+            if self.graphs is not None and len(items) == 1 and static is None:    # a layer replayed (graphs.py)
+                got = self.graphs.layer(i, hs[0], items[0][1][i])
+                if got is not None:
+                    hs[0], items[0][1][i] = got
+                    continue
             normed, ctxs = [], []
             for j, (_, state, *_) in enumerate(items):
                 u, ctx = self.block_in(i, "attn", hs[j])

@@ -41,10 +41,13 @@ class Glm5Next(DecoderModel):
         return DSACache.empty(self.mla_cfg, self.dsa_cfg, self.indexer[i] == "full", self.dtype, self.device,
                               self.capacity)
 
+    def fixed_state(self, i, st):
+        # a KDA layer's state has fixed shapes: the whole layer's decode row is captured (graphs.py `layer`)
+        return (st.tensors(), KDAState.of) if self.kinds[i] == "kda" and isinstance(st, KDAState) else None
+
     def attend(self, i, x, state, positions, scratch):
         if self.kinds[i] == "kda":
-            got = self.graphs.kda(i, x, state, self.attn_w[i], self.kda_cfg) if self.graphs is not None else None
-            return got if got is not None else kda_forward(x, self.attn_w[i], self.kda_cfg, state)
+            return kda_forward(x, self.attn_w[i], self.kda_cfg, state)
         tracing = self.dsa_trace is not None or self.dsa_dump is not None
         start = len(state)
         # a layer without its own indexer reuses the selection of the last one with it, within this step

@@ -7,8 +7,8 @@ slots looked up on the GPU), so a one-row decode step has fixed shapes except fo
   copied into the graph's inputs, the cache row is put at the position, attention reads the first L rows of the
   cache buffer (L the position rounded up to BUCKET rows) with the rows past the position masked.
 - MoE layers only: elsewhere (other families, or a step the whole-step graph cannot take) each MoE layer's one-row
-  MLP is captured once and replayed; attention stays eager, except KDA's (fixed-shape state: `kda`), whose one-row
-  step is captured per layer too (~110 eager launches a layer before: docs/LEARNED.md §10i).
+  MLP is captured once and replayed; attention stays eager, except where a layer's state has fixed shapes (KDA's:
+  the family's `fixed_state`): that whole layer's one-row step is captured and replayed (docs/LEARNED.md §10i).
 Anything that watches the step from the host (a benchmark's routing stand-in, route or predict traces, the
 profiler's timer), a batch of sequences, or a store that still reads experts keeps the eager path.
 """
@@ -21,7 +21,6 @@ from collections import OrderedDict
 
 import torch
 
-from ..layers.kda import KDAState, kda_forward
 from ..timing import NO_TIMER
 
 BUCKET = 256          # key rows a captured step attends over come in multiples of this
@@ -33,12 +32,12 @@ class DecodeGraphs:
         self._model = weakref.ref(model)      # no cycle with the model: its graphs are freed when it is
         self._base_mlp = base_mlp             # DecoderModel.mlp_many (unbound): what a MoE layer's graph captures
         self.mlps: dict[int, tuple] = {}
-        self.kdas: dict[int, tuple] = {}
+        self.layers: dict[int, tuple] = {}
         self.steps: OrderedDict = OrderedDict()
         self.pool = None
         self.capturing = False
         self.whole = True               # whole-step graphs where the family allows (the benchmark turns them off)
-        self.kda_on = True              # KDA layers' graphs (the benchmark turns them off)
+        self.layers_on = True           # whole layers' graphs where the state allows (the benchmark turns them off)
 
     @property
     def model(self):
@@ -102,30 +101,37 @@ class DecodeGraphs:
         self.model.experts.count_hits(i, self.model.top_k)
         return gy
 
-    # -- one KDA layer's attention ------------------------------------------------------------------
-    def kda(self, i: int, x: torch.Tensor, state: KDAState | None, w: dict, cfg) -> tuple | None:
-        """Layer i's KDA step of one row by replaying its graph (captured on first use): (out, the new state, its
-        own tensors); None where the eager path must run. The state is copied into the graph's inputs and the
-        outputs copied out, so states stay values (a sequence's state is never the graph's buffers)."""
-        if not self.kda_on or x.shape[0] != 1 or state is None or not self.usable():
+    # -- a whole layer of fixed-shape state -------------------------------------------------------
+    def layer(self, i: int, h: torch.Tensor, state) -> tuple | None:
+        """Layer i over one sequence's one row by replaying its graph (captured on first use), where the family
+        gives the layer's state as fixed-shape tensors (`fixed_state`: KDA's): (h', the new state); None where the
+        eager path must run. The state is copied into the graph's inputs and the outputs copied out, so states stay
+        values (a sequence's state is never the graph's buffers, whatever is batched or interleaved)."""
+        m = self.model
+        if not self.layers_on or h.shape[0] != 1 or not self.usable():
             return None
-        ins = (state.conv_q, state.conv_k, state.conv_v, state.S)
-        g = self.kdas.get(i)
-        if g is None or g[0].dtype != x.dtype:
-            gx, gin = x.clone(), [t.clone() for t in ins]
+        fixed = m.fixed_state(i, state)
+        if fixed is None:
+            return None
+        ins, rebuild = fixed
+        g = self.layers.get(i)
+        if g is None or g[0].dtype != h.dtype or g[0].shape != h.shape:
+            gh, gin = h.clone(), [t.clone() for t in ins]
 
             def run():
-                out, ns = kda_forward(gx, w, cfg, KDAState(*gin))
-                return out, ns.conv_q, ns.conv_k, ns.conv_v, ns.S
-            graph, outs = self._capture(run, self.model.experts)
-            g = self.kdas[i] = (gx, gin, graph, outs)
-        gx, gin, graph, outs = g
-        gx.copy_(x)
+                h2, st = m.layer_row(i, gh, rebuild(gin))
+                return (h2, *m.fixed_state(i, st)[0])
+            graph, outs = self._capture(run, m.experts)
+            g = self.layers[i] = (gh, gin, graph, outs)
+        gh, gin, graph, outs = g
+        gh.copy_(h)
         for a, b in zip(gin, ins):
             a.copy_(b)
         graph.replay()
-        out, *st = (t.clone() for t in outs)
-        return out, KDAState(*st)
+        if not m.dense[i]:
+            m.experts.count_hits(i, m.top_k)
+        h2, *st = (t.clone() for t in outs)
+        return h2, rebuild(st)
 
     # -- the whole step ----------------------------------------------------------------------------
     def step(self, items: list, last_only: bool) -> list[torch.Tensor] | None:

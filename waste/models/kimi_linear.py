@@ -25,10 +25,13 @@ class KimiLinear(DecoderModel):
             return KDAState.empty(self.kda_cfg, self.dtype, self.device)
         return MLACache.empty(self.mla_cfg, self.dtype, self.device, self.capacity)
 
+    def fixed_state(self, i, st):
+        # a KDA layer's state has fixed shapes: the whole layer's decode row is captured (graphs.py `layer`)
+        return (st.tensors(), KDAState.of) if self.kinds[i] == "kda" and isinstance(st, KDAState) else None
+
     def attend(self, i, x, state, positions, scratch):
         if self.kinds[i] == "kda":
-            got = self.graphs.kda(i, x, state, self.attn_w[i], self.kda_cfg) if self.graphs is not None else None
-            return got if got is not None else kda_forward(x, self.attn_w[i], self.kda_cfg, state)
+            return kda_forward(x, self.attn_w[i], self.kda_cfg, state)
         return mla_forward(x, self.attn_w[i], self.mla_cfg, state, positions)
 
 
