@@ -4,7 +4,7 @@
 # packages the GPU machine lacks (transformers 5.24 for glm5_next's config, the openai client and fastapi for mixtral's
 # and glm4_moe's test modules) put first on the path from wheels carried in .whl/extra and .whl/oa.
 #   bash benchmarks/cuda_families_call.sh OUT [STEPS] [LIMIT]   (repository root; STEPS of 123: GLM-5.3, the
-#   tests (TESTS: more test files), Kimi-Linear; PROFILE=N: torch.profiler over N steps of GLM-5.3's arms)
+#   tests (TESTS: more test files; TESTS_ONLY: these instead), Kimi-Linear; PROFILE=N: torch.profiler over N steps of GLM-5.3's arms)
 DEF_STEPS=12 DEF_LIMIT=540
 source "$(dirname "$0")/cuda_call_setup.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 .whl/oa/*.whl \
@@ -24,7 +24,7 @@ fi
 if [[ $STEPS == *2* ]]; then
   step "2: every family's oracle fixture on CUDA (transformers, openai and fastapi from the carried wheels)"
   PYTHONPATH=/tmp/site2:$PYTHONPATH timeout $((LIMIT - SECONDS - 10)) python3 -m pytest -rA -q -p no:cacheprovider \
-    tests/test_cuda_families.py tests/test_cuda.py ${TESTS:-} 2>&1 | tee "$OUT/families.txt" \
+    ${TESTS_ONLY:-tests/test_cuda_families.py tests/test_cuda.py ${TESTS:-}} 2>&1 | tee "$OUT/families.txt" \
     | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error" | tail -60
 fi
 step done
