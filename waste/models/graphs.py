@@ -108,10 +108,8 @@ class DecodeGraphs:
         eager path must run. The state is copied into the graph's inputs and the outputs copied out, so states stay
         values (a sequence's state is never the graph's buffers, whatever is batched or interleaved)."""
         m = self.model
-        if not self.layers_on or h.shape[0] != 1 or not self.usable():
-            return None
-        fixed = m.fixed_state(i, state)
-        if fixed is None:
+        fixed = m.fixed_state(i, state) if self.layers_on else None
+        if fixed is None or not isinstance(h, torch.Tensor) or h.shape[0] != 1 or not self.usable():
             return None
         ins, rebuild = fixed
         g = self.layers.get(i)

@@ -47,6 +47,10 @@ class KimiK3(KimiLinear):
             t = {k: v for k, v in trunk.items() if k.startswith("output_attn_res_")}
             self.out_key = res_key(t["output_attn_res_norm.weight"], t["output_attn_res_proj.weight"]).to(self.device)
 
+
+    def fixed_state(self, i, st):
+        # K3's layers carry attention-residual streams and their own loop: no whole-layer graph (graphs.py `layer`)
+        return None
     def route(self, i, x):
         m = self.moe   # renormalised only with more than one expert, as the release's router does
         return sigmoid_grouped_topk(x, self.layers[i]["mlp.gate.weight"], self.layers[i].get(
