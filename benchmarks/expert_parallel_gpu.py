@@ -70,11 +70,26 @@ def all_to_all_rates(world: int) -> dict[str, float]:
     return out
 
 
+def trunk_tensors(m) -> list[torch.Tensor]:
+    """Every trunk tensor the model holds once (per-layer weight dicts such as `layers` and a family's `attn_w`, whose
+    fused q/k/v is a tensor of its own), by storage, less the embedding table (a token reads one row of it)."""
+    seen, out = {m.embed.data_ptr()} if m.head is not m.embed else set(), []
+    for v in vars(m).values():
+        if not (isinstance(v, list) and v and all(isinstance(d, dict) for d in v)):
+            continue
+        for d in v:
+            for t in d.values():
+                if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    out.append(t)
+    return out
+
+
 def token_bytes(eng, world: int) -> int:
     """Bytes one decode token reads on the busiest GPU: the trunk less the embedding rows it does not read, and its
     share of top_k records in every MoE layer."""
     m = eng.model
-    trunk = sum(t.numel() * t.element_size() for lw in m.layers for t in lw.values() if isinstance(t, torch.Tensor))
+    trunk = sum(t.numel() * t.element_size() for t in trunk_tensors(m))
     trunk += m.head.numel() * m.head.element_size() + m.norm.numel() * m.norm.element_size()
     moe = [l for l in range(len(m.layers)) if not m.dense[l]]
     rec = eng.experts.record_bytes

@@ -1,16 +1,15 @@
 """Where a GPU decode step's time goes, and the fused decode kernels against the torch path, in one process:
 
-    python benchmarks/gpu_profile.py MODEL [-n 48] [--rounds 3] [--arms fused,untiled,prev,torch] [--profile 4]
+    python benchmarks/gpu_profile.py MODEL [-n 48] [--rounds 3] [--arms fused,torch] [--profile 4]
                                            [--json F] [--q4-tiles GU/DOWN]
 
 MODEL: a container or a `random:` spec (random:qwen3-30b-a3b,experts=q4[,layers=N]: generated in place, no disk).
 Arms, interleaved over --rounds, each a fresh sequence (32-token prompt, 4 warm-up steps that capture its graph,
 then -n timed steps, greedy; median per round): fused = the defaults: layers/decode_triton.py's kernels and
-moe_triton.weighted_pairs (q4: layers/q4_tiled.py; SwiGLU applied as the down launch reads, the routing weight too;
-moe_triton.sum_pairs sums the pairs); untiled = fused with q4's kernels before q4_tiled (§10b's any-row kernel);
-prev = §10b's fused kernels (untiled, attention a program a head, torch's sum of the pairs); block = fused with
-q4's block kernel (Q4_BLOCK); kdaeager = fused with KDA layers eager (graphs.py's `layer` off); torch = none of
-them (the path before §10b). Then, per arm, torch.profiler with CUDA
+moe_triton.weighted_pairs (q4: layers/q4_rows.py over the GPU's row layout, SwiGLU applied by the gate + up launch,
+the routing weight by the down launch; moe_triton.sum_pairs sums a row's pairs); kdaeager = fused with KDA layers
+eager (graphs.py's `layer` off); torch = none of them (decode_triton off,
+the experts through moe_triton.pairs and torch's activation and weighted sum). Then, per arm, torch.profiler with CUDA
 activities over --profile steps, replayed (whole-step graph) and eager: kernels per step and per layer, kernel time
 per step, the top kernels.
 Beside each figure: the HBM bound (bytes a token reads / a 2 GiB copy's rate here) and the launch floors (one eager
@@ -35,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from expert_parallel_gpu import hbm_rate, token_bytes  # noqa: E402
 from gpu_decode import launch_us  # noqa: E402
 from waste.engine import Engine  # noqa: E402
-from waste.layers import decode_triton, moe_triton, q4_tiled  # noqa: E402
+from waste.layers import decode_triton, moe_triton, q4_rows  # noqa: E402
 
 
 def graph_launch_us(n: int = 200) -> float:
@@ -66,10 +65,6 @@ def graph_launch_us(n: int = 200) -> float:
 def set_arm(m, arm: str) -> None:
     decode_triton.ENABLED = arm != "torch"
     moe_triton.pairs.weighted_pairs = None if arm == "torch" else moe_triton.weighted_pairs
-    moe_triton.Q4_BLOCK = arm == "block"
-    moe_triton.Q4_TILED = arm not in ("untiled", "prev", "block")
-    decode_triton.ATTN_SPLIT = arm != "prev"
-    moe_triton.weighted_pairs.sum_pairs = None if arm == "prev" else moe_triton.sum_pairs
     if m.graphs is not None:           # captured with the other arm's kernels: capture again, in a new pool (torch
         m.graphs.steps.clear()         # asserts when a pool whose graphs were all freed is captured into again)
         m.graphs.mlps.clear()
@@ -132,15 +127,15 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--arms", default="fused,untiled,prev,torch")
-    ap.add_argument("--q4-tiles", help="q4_tiled's (split, groups a step, warps) for gate + up and down, as "
-                    "benchmarks/q4_tiles.py --best writes them: 4.2.4/3.2.4")
+    ap.add_argument("--arms", default="fused,torch")
+    ap.add_argument("--q4-tiles", help="q4_rows' (rows a program, groups a step, warps) for gate + up and down, as "
+                    "benchmarks/q4_tiles.py --best writes them: 16.2.4/8.2.4")
     ap.add_argument("--profile", type=int, default=4, help="steps under the profiler per arm (0: none)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if a.q4_tiles:
-        q4_tiled.GU, q4_tiled.DOWN = (tuple(int(v) for v in part.split(".")) for part in a.q4_tiles.split("/"))
-        print(f"q4_tiled: gate + up {q4_tiled.GU}, down {q4_tiled.DOWN}", flush=True)
+        q4_rows.GATE_UP, q4_rows.DOWN = (tuple(int(v) for v in part.split(".")) for part in a.q4_tiles.split("/"))
+        print(f"q4_rows: gate + up {q4_rows.GATE_UP}, down {q4_rows.DOWN}", flush=True)
     rate, eager_us, graph_us = hbm_rate(), launch_us(), graph_launch_us()
     t0 = time.perf_counter()
     eng = Engine.load(a.model, dtype="bfloat16", device="cuda")

@@ -1,18 +1,19 @@
-"""The q4 decode launches alone on a GPU: layers/q4_tiled.py's (split, groups a step, warps) for gate + up and for
-down, against the kernels before it (moe_triton's any-row and block kernels), one decode row's 8 pairs of a
-Qwen3-30B-A3B-shaped layer (h 2048, 768 per expert, q4) read in place from a slab of 128 random records:
+"""The q4 decode launches alone on a GPU: layers/q4_rows.py's tiles (rows a program, groups a step, warps) for the
+gate + up launch and for the down launch, one decode row's 8 pairs of a Qwen3-30B-A3B-shaped layer (h 2048, 768 per
+expert, q4) read in place from a slab of 128 random records:
 
-    python benchmarks/q4_tiles.py [--slots 128] [--k 8] [--best FILE]
+    python benchmarks/q4_tiles.py [--slots 128] [--k 8] [--best FILE] [--tiles GU/DOWN]
 
-A tile: (split, groups a step, warps[, prefetch]). Each arm: 16 calls, each on another random set of k slots (the
-slab is 6x the L2: the reads come from HBM), captured in one CUDA graph, replayed 20 times; the median replay / 16
-is a call's time, its expert bytes / that time its rate beside a 2 GiB device copy's. --best writes the fastest
-tiled arm as `GU/DOWN` (e.g. 2.1.4.1/1.4.8) for gpu_profile.py --q4-tiles. Not a test; docs/LEARNED.md §10g has the figures.
+Each arm: 16 calls, each on another random set of k slots (the slab is 6x the L2: the reads come from HBM), captured
+in one CUDA graph, replayed 20 times; the median replay / 16 is a call's time, its bytes / that time its rate beside a
+2 GiB device copy's. Every gate + up tile alone (2/3 of the bytes), every down tile alone (1/3), then the fastest of
+each together with the pairs' sum (moe_triton.weighted_pairs + sum_pairs). --best writes the fastest as `GU/DOWN`
+(e.g. 4.16.4/4.16.4) for gpu_profile.py --q4-tiles. Not a test; docs/LEARNED.md §10j has the
+figures (§10g: the kernels before, int4pack's blocks read as tiles, 30.3 us a call).
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -24,16 +25,17 @@ import torch  # noqa: E402
 
 from expert_parallel_gpu import hbm_rate  # noqa: E402
 from waste.container.bank import _DTYPES, RecordLayout  # noqa: E402
-from waste.layers import moe_triton, q4_tiled  # noqa: E402
+from waste.layers import moe_triton, q4_rows  # noqa: E402
 from waste.layers.moe import MATRICES, Bank  # noqa: E402
 from waste.quant.formats import get_format  # noqa: E402
 
-GU = [(4, 1, 4), (2, 2, 4), (1, 4, 8), (4, 1, 4, 1), (2, 1, 4, 1), (8, 1, 4, 1), (4, 1, 8, 1), (1, 1, 8, 1)]
-DOWN = [(1, 4, 8), (1, 2, 4), (1, 1, 8, 1), (1, 1, 4, 1), (2, 1, 4, 1), (3, 1, 4, 1)]
+GU = [(bn, ng, w) for bn in (2, 4, 8, 16) for ng in (4, 8, 16, 32) for w in (2, 4, 8) if bn * ng <= 128]
+DOWN = [(bn, ng, w) for bn in (2, 4, 8, 16) for ng in (4, 8, 16) for w in (2, 4, 8) if bn * ng <= 128]
 
 
 def random_bank(h: int, inter: int, n: int) -> tuple[Bank, int]:
-    """n records of random nibbles with sane (scale, zero) pairs, laid out as the expert store's slab."""
+    """n records of random nibbles with sane (scale, zero) pairs, laid out as the expert store's slab (random bytes:
+    the row layout's timing does not depend on which nibble is which)."""
     fmt = get_format("q4")
     shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
     rec = {}
@@ -82,7 +84,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=128)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--best", type=Path)
-    ap.add_argument("--tiles", help="one tiled arm only (GU/DOWN, e.g. 4.1.4/1.4.8), no other arm (for ncu)")
+    ap.add_argument("--tiles", help="one arm only (GU/DOWN, e.g. 16.2.4/8.2.4), no other (for ncu)")
     a = ap.parse_args()
     rate = hbm_rate()
     bank, rec = random_bank(2048, 768, a.slots)
@@ -95,41 +97,44 @@ def main() -> None:
           f"{byts / 1e6:.1f} MB a call = bound {1e6 * byts / rate:.1f} us", flush=True)
     ref = None
 
-    def arm(name, fn):
+    def arm(name, fn, nbytes):
         nonlocal ref
         t = time_arm(fn, sets)
         y = fn(sets[0]).float()
         err = 0.0 if ref is None else float((y - ref).norm() / ref.norm())
         ref = y if ref is None else ref
-        print(f"{name:28s} {1e6 * t:7.1f} us  {byts / t / 1e9:6.0f} GB/s = {100 * byts / t / rate:5.1f}% of HBM"
-              f"  rel. to the first arm {err:.1e}", flush=True)
+        print(f"{name:36s} {1e6 * t:7.1f} us  {nbytes / t / 1e9:6.0f} GB/s = {100 * nbytes / t / rate:5.1f}% of HBM"
+              f"  rel. to the arm first timed {err:.1e}", flush=True)
         return t
 
-    def old(block):
-        def fn(sl):
-            moe_triton.Q4_TILED, moe_triton.Q4_BLOCK = False, block
-            return moe_triton.weighted_pairs(x, sl, w, bank)
-        return fn
+    wt = w.reshape(-1)
+    a_fixed = torch.rand(a.k, 768, device="cuda")
 
-    grid = list(itertools.product(GU, DOWN))
+    def gate_up(tile):
+        return lambda sl: q4_rows.gate_up_act(x, a.k, sl.reshape(-1), bank, moe_triton._delta, tile)
+
+    def down(tile):
+        return lambda sl: q4_rows.down(a_fixed, sl.reshape(-1), wt, bank, tile)
+
+    def both(gu, dn):
+        return lambda sl: moe_triton.sum_pairs(moe_triton.weighted_pairs(x, sl, w, bank, gate_up=gu, down=dn),
+                                               x.dtype)
+
     if a.tiles:
-        grid = [tuple(tuple(int(v) for v in part.split(".")) for part in a.tiles.split("/"))]
-    else:
-        arm("untiled (any-row, §10b)", old(False))
-        arm("block (Q4_BLOCK)", old(True))
-    moe_triton.Q4_TILED, moe_triton.Q4_BLOCK = True, False
-    flat_w = w.reshape(-1)
-    res = []
-    for gu, down in grid:
-        def fn(sl, gu=gu, down=down):
-            return q4_tiled.weighted_pairs(x, sl.reshape(-1), flat_w, bank, a.k, moe_triton._delta, gu=gu, down=down)
-        res.append((arm(f"tiled gu {gu} down {down}", fn), gu, down))
-    res.sort()
-    for t, gu, down in res[:8]:
-        print(f"top: gu {gu} down {down} {1e6 * t:.1f} us = {100 * byts / t / rate:.1f}% of HBM")
-    t, gu, down = res[0]
-    spec = f"{'.'.join(map(str, gu))}/{'.'.join(map(str, down))}"
-    print(f"best tiled: {spec}: {1e6 * t:.1f} us = {100 * byts / t / rate:.1f}% of HBM", flush=True)
+        gu, dn = (tuple(int(v) for v in part.split(".")) for part in a.tiles.split("/"))
+        arm(f"gu {gu} down {dn}", both(gu, dn), byts)
+        return
+    best = []
+    for name, make, tiles, share in (("gate + up", gate_up, GU, 2 / 3), ("down", down, DOWN, 1 / 3)):
+        ref = None
+        res = sorted((arm(f"{name} {t}", make(t), share * byts), t) for t in tiles)
+        for tt, t in res[:5]:
+            print(f"top {name}: {t} {1e6 * tt:.1f} us = {100 * share * byts / tt / rate:.1f}% of HBM")
+        best.append(res[0][1])
+    ref = None
+    t = arm(f"both: gu {best[0]} down {best[1]} + sum_pairs", both(*best), byts)
+    spec = "/".join(".".join(map(str, b)) for b in best)
+    print(f"best: {spec}: {1e6 * t:.1f} us = {100 * byts / t / rate:.1f}% of HBM", flush=True)
     if a.best:
         a.best.write_text(spec)
 

@@ -74,12 +74,10 @@ def test_softmax_topk_tail_matches_torch():
 
 @pytest.mark.parametrize("fmt,h,inter,limit", [("bf16", 64, 32, None), ("q8", 64, 32, None), ("q4", 128, 96, None),
                                                ("q4", 128, 64, 0.05)])
-@pytest.mark.parametrize("block", [False, True])
-def test_weighted_pairs_match_pairs_and_weighted_sum(fmt, h, inter, limit, block, monkeypatch):
-    """The down launch with the activation applied as it reads and the routing weight applied, against the
-    two-launch pairs and the separate weighted sum (q4 also through the block kernel); a -1 pair stays zero; and a
-    layer's pairs arriving in two groups (a small cache) sum to the same bits as in one."""
-    monkeypatch.setattr(moe_triton, "Q4_BLOCK", block)
+def test_weighted_pairs_match_pairs_and_weighted_sum(fmt, h, inter, limit):
+    """The down launch with the activation applied (q4: by the gate and up launch) and the routing weight applied,
+    against the two-launch pairs and the separate weighted sum; a -1 pair stays zero; and a layer's pairs arriving
+    in two groups (a small cache) sum to the same bits as in one."""
     bank, _ = slab_bank(fmt, h, inter, n_slots=5)
     bank.limit = limit
     g = torch.Generator().manual_seed(4)
@@ -109,3 +107,31 @@ def test_weighted_pairs_declines_what_it_does_not_compute():
     bank.act = ("oai_glu", 1.7, 7.0)
     assert not moe_triton.serves(x[:1], bank)
     assert set(MATRICES) == {"gate", "up", "down"}
+
+
+@pytest.mark.parametrize("dtype,N", [(torch.bfloat16, 2048), (torch.float32, 300), (torch.bfloat16, 96)])
+def test_add_rms_is_the_add_then_the_norm(dtype, N):
+    """add_rms: the residual add with torch's bits (a bf16 add widens, adds and rounds once), the norm of its result
+    within one rounding of torch's rms_norm with the weight cast; rms_rows the same norm without the add, the same
+    bits as add_rms's norm of the same rows."""
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(3, N, generator=g).to(dtype).to(DEV)
+    y = torch.randn(3, N, generator=g).to(dtype).to(DEV)
+    w = (1 + 0.1 * torch.randn(N, generator=g)).to(DEV)          # float32, as the trunk keeps its norms
+    oh, x = decode_triton.add_rms(h, y, w, 1e-6)
+    assert oh.dtype == x.dtype == dtype
+    if torch.cuda.is_available() or dtype == torch.float32:
+        assert torch.equal(oh, h + y)
+    else:       # triton 3.6's interpreter truncates a float32 stored as bf16 (the GPU rounds): one bf16 step at most
+        assert ((oh.float() - (h + y).float()).abs() <= (h + y).float().abs() * 2 ** -7).all()
+    ref = torch.nn.functional.rms_norm((h + y).float(), (N,), w, 1e-6)
+    assert rel(x, ref) < (1e-6 if dtype == torch.float32 else 5e-3)
+    assert torch.equal(decode_triton.rms_rows(oh, w, 1e-6), x)
+
+
+def test_router_logits_widen_the_row_as_read():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(1, 1000, generator=g).to(torch.bfloat16).to(DEV)
+    w = torch.randn(60, 1000, generator=g).to(DEV)
+    out = decode_triton.router_logits(x, w)
+    assert out.dtype == torch.float32 and rel(out, x.float() @ w.t()) < 1e-5

@@ -9,7 +9,11 @@ small kernels, each costing a few microseconds whatever it reads: docs/LEARNED.m
   program a head had left the chip idle: docs/LEARNED.md §10g).
 - softmax_topk_tail: a router's softmax over the experts' logits, top-k and the renormalisation: one launch
   instead of four to six.
-Both compute in float32 and round once on the store; callers use them only where `usable` says (CUDA, triton
+- add_rms: the residual add and the next RMS norm of rows in one launch (the norm's float32 weight read as it is:
+  the add, the norm and the weight's cast were three); rms_rows is the same kernel without the add, which every
+  CUDA row norm of that shape takes, so a norm's bits do not depend on whether an add came with it.
+- router_logits: a router's float32 logits from bf16 rows, the row widened as it is read (the cast was a launch).
+All compute in float32 and round once on the store; callers use them only where `usable` says (CUDA, triton
 imported, shapes they handle) and keep the torch path everywhere else, so the CPU's bits never change.
 """
 from __future__ import annotations
@@ -196,6 +200,72 @@ def attend_row(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pos: tor
     _attend_part[(H, S)](q, kbuf, vbuf, pos, m, l, a, d ** -0.5, KV, H // KV, S, D=d, BLK=32, num_warps=4)
     _attend_combine[(H,)](m, l, a, o, S, D=d, SP=triton.next_power_of_2(S), num_warps=4)
     return o
+
+
+if triton is not None:
+    @triton.jit
+    def _add_rms(h_ptr, y_ptr, w_ptr, oh_ptr, ox_ptr, N, eps, B: tl.constexpr, ADD: tl.constexpr):
+        # row t: h' = h + y (rounded to the rows' dtype, as torch's add), x = h' / rms(h') * w in float32, rounded
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.arange(0, B)
+        m = n < N
+        h = tl.load(h_ptr + t * N + n, mask=m, other=0.0)
+        if ADD:
+            h = (h.to(tl.float32) + tl.load(y_ptr + t * N + n, mask=m, other=0.0).to(tl.float32)).to(
+                oh_ptr.dtype.element_ty)
+            tl.store(oh_ptr + t * N + n, h, mask=m)
+        hf = h.to(tl.float32)
+        # 1 / sqrt correctly rounded (not rsqrt's approximation): float32 rows stay within the CPU's tolerance
+        r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(hf * hf, 0), N.to(tl.float32)) + eps))
+        x = hf * r * tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
+        tl.store(ox_ptr + t * N + n, x.to(ox_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _router_logits(x_ptr, w_ptr, o_ptr, E, H, BE: tl.constexpr, BH: tl.constexpr):
+        # logits[t, e] = sum_h float32(x[t, h]) * w[e, h], BE experts a program, the row read in BH steps
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.program_id(1) * BE + tl.arange(0, BE)
+        em = e < E
+        acc = tl.zeros([BE], tl.float32)
+        for h0 in range(0, H, BH):
+            hh = h0 + tl.arange(0, BH)
+            hm = hh < H
+            xv = tl.load(x_ptr + t * H + hh, mask=hm, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + e[:, None].to(tl.int64) * H + hh[None, :], mask=em[:, None] & hm[None, :], other=0.0)
+            acc += tl.sum(w * xv[None, :], 1)
+        tl.store(o_ptr + t * E + e, acc, mask=em)
+
+
+def norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Rows [T, N] of a CUDA float row dtype, contiguous, a weight of N: what add_rms / rms_rows take."""
+    return usable(x) and x.dim() == 2 and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32) and \
+        weight.dim() == 1 and weight.numel() == x.shape[1] and x.shape[1] <= 16384
+
+
+def add_rms(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(h + y, rms_norm(h + y) * weight) in h's dtype in one launch; y None: (h, rms_norm(h) * weight)."""
+    h = h.contiguous()
+    T, N = h.shape
+    w = weight.contiguous()
+    x = torch.empty_like(h)
+    oh = h if y is None else torch.empty_like(h)
+    yy = h if y is None else y.contiguous()
+    B = triton.next_power_of_2(N)
+    _add_rms[(T,)](h, yy, w, oh, x, N, eps, B=B, ADD=y is not None, num_warps=4 if B <= 4096 else 8)
+    return oh, x
+
+
+def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return add_rms(x, None, weight, eps)[1]
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [T, E] of rows x [T, H] (any float dtype) against a float32 router [E, H]."""
+    T, H = x.shape
+    E = weight.shape[0]
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    _router_logits[(T, triton.cdiv(E, 4))](x.contiguous(), weight.contiguous(), out, E, H, BE=4, BH=512, num_warps=4)
+    return out
 
 
 def split_of(H: int) -> int:

@@ -92,6 +92,24 @@ def register(kind: str, device: str):
     return deco
 
 
+_LAYOUTS: dict[tuple[str, str], Callable] = {}
+
+
+def register_layout(kind: str, device: str):
+    """A device's own layout of a format's records: fn(record layout, format) -> rewrite(rows, slots), which the
+    expert store calls in place on the device's slab once a record's stored bytes have landed in its slots."""
+    def deco(fn: Callable) -> Callable:
+        _LAYOUTS[(kind, device)] = fn
+        return fn
+    return deco
+
+
+def layout_for(fmt, device: torch.device | str, layout) -> Callable | None:
+    """The rewrite of freshly landed records into this device's layout for the format, or None (kept as stored)."""
+    make = _LAYOUTS.get((fmt.kind or fmt.name, torch.device(device).type))
+    return make(layout, fmt) if make is not None and layout is not None else None
+
+
 def kernel_for(fmt, device: torch.device | str) -> Kernel:
     """The pairs kernel for this format on this device: its own, else its kind's (float / q8), else segments."""
     dev = torch.device(device).type

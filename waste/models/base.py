@@ -16,6 +16,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from ..layers import decode_triton
 from ..layers.mlp import dense_mlp
 from ..layers.gpu import cuda_kernels
 from ..layers.moe import kernel_for, routed_groups
@@ -258,32 +259,51 @@ class DecoderModel:
             hs.append(self.stream_in(x))
             positions.append(torch.arange(start, start + ids.shape[0], device=self.device))
             scratch.append({"start": start} if static is None else {"start": start, "static": static})
+        # a plain residual on a GPU: each add and the norm after it in one launch (decode_triton.add_rms); pend holds
+        # the next norm's rows, taken by the next layer (or the head) in place of its own norm of the same bits
+        fuse = self._plain_residual() and decode_triton.norm_usable(hs[0], self.norm)
+        pend: list = [None] * len(items)
         for i, lw in enumerate(self.layers):
             if self.graphs is not None and len(items) == 1 and static is None:    # a layer replayed (graphs.py)
                 got = self.graphs.layer(i, hs[0], items[0][1][i])
                 if got is not None:
                     hs[0], items[0][1][i] = got
+                    pend[0] = None
                     continue
             normed, ctxs = [], []
             for j, (_, state, *_) in enumerate(items):
                 u, ctx = self.block_in(i, "attn", hs[j])
+                x = pend[j] if pend[j] is not None else rms_norm(u, lw["input_layernorm.weight"], self.eps)
                 with self.timer.section("attention"):
-                    a, state[i] = self.attend(i, rms_norm(u, lw["input_layernorm.weight"], self.eps), state[i],
-                                              positions[j], scratch[j])
-                hs[j] = self.block_out(i, "attn", hs[j], a, ctx)
-                u, ctx = self.block_in(i, "mlp", hs[j])
-                normed.append(rms_norm(u, lw["post_attention_layernorm.weight"], self.eps))
+                    a, state[i] = self.attend(i, x, state[i], positions[j], scratch[j])
+                if fuse:
+                    hs[j], x = decode_triton.add_rms(hs[j], a, lw["post_attention_layernorm.weight"], self.eps)
+                else:
+                    hs[j] = self.block_out(i, "attn", hs[j], a, ctx)
+                    u, ctx = self.block_in(i, "mlp", hs[j])
+                    x = rms_norm(u, lw["post_attention_layernorm.weight"], self.eps)
+                normed.append(x)
                 ctxs.append(ctx)
+            nxt = self.layers[i + 1]["input_layernorm.weight"] if i + 1 < len(self.layers) else self.norm
             for j, y in enumerate(self.mlp_many(i, normed, hs)):
-                hs[j] = self.block_out(i, "mlp", hs[j], y, ctxs[j])
+                if fuse:
+                    hs[j], pend[j] = decode_triton.add_rms(hs[j], y, nxt, self.eps)
+                else:
+                    hs[j] = self.block_out(i, "mlp", hs[j], y, ctxs[j])
         out = []
-        for h in hs:
-            x = self.stream_out(h)
+        for h, p in zip(hs, pend):
+            x = self.stream_out(h) if p is None else p
             if last_only:
                 x = x[-1:]
             with self.timer.section("trunk matvec"):
-                out.append(linear(rms_norm(x, self.norm, self.eps), self.head).float())
+                out.append(linear(rms_norm(x, self.norm, self.eps) if p is None else x, self.head).float())
         return out
+
+    def _plain_residual(self) -> bool:
+        """Whether the family's blocks are the plain `h + f(norm(h))` (no block hooks of its own)."""
+        t = type(self)
+        return all(getattr(t, f) is getattr(DecoderModel, f) for f in ("stream_in", "block_in", "block_out",
+                                                                       "stream_out"))
 
     def _chunked(self, items: list, last_only: bool, c: int) -> list[torch.Tensor]:
         """step over chunks of at most c rows per sequence (chunked prefill: a chunk's activations are what the plan

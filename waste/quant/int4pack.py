@@ -112,3 +112,27 @@ def int4_mm(x: torch.Tensor, p: torch.Tensor, group: int, scale_zero: torch.Tens
         return int4_mm(x.to(torch.bfloat16), p, group, scale_zero).float()
     sz = scale_zero if scale_zero.dtype == x.dtype else scale_zero.to(x.dtype)
     return torch._weight_int4pack_mm_for_cpu(x.contiguous(), p, group, sz)
+
+
+def _unpack_batched(p: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """unpack_nibbles over a batch [n, N, K/2] (any device) -> uint8 [n, N, K]."""
+    n = p.shape[0]
+    flat = p.reshape(n, -1)
+    nb_full, tail = N // BLOCK, N % BLOCK
+    parts = []
+    if nb_full:
+        b = flat[:, :nb_full * BLOCK * K // 2].view(n, nb_full, K, BLOCK // 2).transpose(2, 3)   # [n, nb, 32, K]
+        parts.append(torch.cat([b & 15, b >> 4], 2).reshape(n, nb_full * BLOCK, K))
+    if tail:
+        t = flat[:, nb_full * BLOCK * K // 2:].view(n, K, tail // 2).transpose(1, 2)             # [n, tail/2, K]
+        parts.append(torch.stack([t & 15, t >> 4], 2).reshape(n, tail, K))
+    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+
+def to_rows(p: torch.Tensor, N: int, K: int, group: int) -> torch.Tensor:
+    """Stored nibbles [n, N, K/2] -> the GPU's row layout (docs/FORMAT.md, "q4 in GPU memory"): row n's bytes in
+    order, each scale group's g/2 bytes holding its first g/2 columns in the low nibbles and its last g/2 in the
+    high ones, so a thread's 16 contiguous bytes are 32 columns of one row under one (scale, zero) pair."""
+    q = _unpack_batched(p, N, K).view(p.shape[0], N, K // group, 2, group // 2)
+    return (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(p.shape[0], N, K // 2)
+

@@ -26,7 +26,7 @@ from ..quant.formats import get_format
 from .bankio import BankReader, aligned_buffer
 from ..container.bank import _DTYPES
 from ..layers.gpu import cuda_kernels
-from ..layers.moe import MATRICES, Bank
+from ..layers.moe import MATRICES, Bank, layout_for
 from .experts import ExpertStats, expert_act, matrix_parts, prepare_record
 from .policy import LFRU, LFRU_HALF_LIFE
 from .vram import Tier
@@ -98,6 +98,11 @@ class ExpertCache:
         self.policy = LFRU(self.n_slots, half_life)
         self.step = 1.0 / max(len(self.banks), 1)     # one token = one call per MoE layer
         self.layout = next(iter(self.banks.values())).layout if self.banks else None
+        # a GPU's own layout of the records (q4: rows, layers/q4_rows.py), rewritten in its slab as they land there
+        self.dev_layout = layout_for(self.fmt, self.device, self.layout) \
+            if self.device.type != "cpu" and cuda_kernels() else None
+        if self.tier is not None:
+            self.tier.rewrite = self.dev_layout
         self._parts_of_slot: dict[int, dict] = {}
         # expert -> slot (-1: not resident) per layer, as a tensor: a layer's slots are one index op
         # written through its numpy view (_slots): a torch element write dispatches an operator (~5 us), and a layer's
@@ -207,6 +212,8 @@ class ExpertCache:
             rows, dev = self.slab.view(self.n_slots, self.record_bytes), self.dev_slab.view(self.n_slots, -1)
             for s in sorted(dirty):
                 dev[s].copy_(rows[s])
+            if self.dev_layout is not None:
+                self.dev_layout(dev, sorted(dirty))
 
     # -- background fill ---------------------------------------------------------------------------
     def _fill(self) -> None:

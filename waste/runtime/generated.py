@@ -22,6 +22,8 @@ import torch
 
 from ..container.bank import RecordLayout
 from ..errors import WasteError
+from ..layers.gpu import cuda_kernels
+from ..layers.moe import layout_for
 from ..quant.formats import get_format
 from .cache import ExpertCache
 from .experts import ExpertStats, expert_act, matrix_parts, prepare_record
@@ -89,6 +91,10 @@ class GeneratedExperts(ExpertCache):
         for s, key in enumerate(keys):
             self._assign(key, s)
             self._generate(rows[s], key, seed, template)
+        # the stored bytes rewritten into the GPU's own layout, as the store does for a record landing there
+        self.dev_layout = layout_for(self.fmt, self.device, self.layout) if on_gpu and cuda_kernels() else None
+        if self.dev_layout is not None and self.n_slots:
+            self.dev_layout(rows, range(self.n_slots))
 
     def _template(self) -> dict[str, torch.Tensor]:
         """One real pack of a seeded random matrix per shape: the non-code parts every generated record shares."""

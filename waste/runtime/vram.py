@@ -81,6 +81,7 @@ class Tier:
         self.stream = torch.cuda.Stream(dev.device) if cuda else None
         self.event = None                 # the last copies' event (compute waits on it; host slot reuse syncs it)
         self.spans: list | None = None    # (start, end, bytes) of each batch of copies, when timing()
+        self.rewrite = None               # the GPU's own layout of records, applied to the tier slots copied up
 
     def timing(self, on: bool = True) -> None:
         self.spans = [] if on else None
@@ -131,6 +132,8 @@ class Tier:
         if self.stream is None:
             for s, d, n in runs:
                 self.dev[d:d + n].copy_(self.rows[s:s + n])
+            if self.rewrite is not None:
+                self.rewrite(self.dev, tier)
             return
         if after_compute:       # demand copies may refill a slot an earlier group of this call still reads
             self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
@@ -140,6 +143,8 @@ class Tier:
                 start.record()
             for s, d, n in runs:
                 self.dev[d:d + n].copy_(self.rows[s:s + n], non_blocking=True)
+            if self.rewrite is not None:      # on the copy stream, after the copies: the event covers both
+                self.rewrite(self.dev, tier)
             ev = torch.cuda.Event(enable_timing=start is not None)
             ev.record()
         self.event = ev
