@@ -127,11 +127,3 @@ def test_add_rms_is_the_add_then_the_norm(dtype, N):
     ref = torch.nn.functional.rms_norm((h + y).float(), (N,), w, 1e-6)
     assert rel(x, ref) < (1e-6 if dtype == torch.float32 else 5e-3)
     assert torch.equal(decode_triton.rms_rows(oh, w, 1e-6), x)
-
-
-def test_router_logits_widen_the_row_as_read():
-    g = torch.Generator().manual_seed(12)
-    x = torch.randn(1, 1000, generator=g).to(torch.bfloat16).to(DEV)
-    w = torch.randn(60, 1000, generator=g).to(DEV)
-    out = decode_triton.router_logits(x, w)
-    assert out.dtype == torch.float32 and rel(out, x.float() @ w.t()) < 1e-5

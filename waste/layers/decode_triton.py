@@ -12,7 +12,6 @@ small kernels, each costing a few microseconds whatever it reads: docs/LEARNED.m
 - add_rms: the residual add and the next RMS norm of rows in one launch (the norm's float32 weight read as it is:
   the add, the norm and the weight's cast were three); rms_rows is the same kernel without the add, which every
   CUDA row norm of that shape takes, so a norm's bits do not depend on whether an add came with it.
-- router_logits: a router's float32 logits from bf16 rows, the row widened as it is read (the cast was a launch).
 All compute in float32 and round once on the store; callers use them only where `usable` says (CUDA, triton
 imported, shapes they handle) and keep the torch path everywhere else, so the CPU's bits never change.
 """
@@ -220,21 +219,6 @@ if triton is not None:
         x = hf * r * tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
         tl.store(ox_ptr + t * N + n, x.to(ox_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
-    def _router_logits(x_ptr, w_ptr, o_ptr, E, H, BE: tl.constexpr, BH: tl.constexpr):
-        # logits[t, e] = sum_h float32(x[t, h]) * w[e, h], BE experts a program, the row read in BH steps
-        t = tl.program_id(0).to(tl.int64)
-        e = tl.program_id(1) * BE + tl.arange(0, BE)
-        em = e < E
-        acc = tl.zeros([BE], tl.float32)
-        for h0 in range(0, H, BH):
-            hh = h0 + tl.arange(0, BH)
-            hm = hh < H
-            xv = tl.load(x_ptr + t * H + hh, mask=hm, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + e[:, None].to(tl.int64) * H + hh[None, :], mask=em[:, None] & hm[None, :], other=0.0)
-            acc += tl.sum(w * xv[None, :], 1)
-        tl.store(o_ptr + t * E + e, acc, mask=em)
-
 
 def norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Rows [T, N] of a CUDA float row dtype, contiguous, a weight of N: what add_rms / rms_rows take."""
@@ -257,15 +241,6 @@ def add_rms(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: 
 
 def rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return add_rms(x, None, weight, eps)[1]
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Float32 logits [T, E] of rows x [T, H] (any float dtype) against a float32 router [E, H]."""
-    T, H = x.shape
-    E = weight.shape[0]
-    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    _router_logits[(T, triton.cdiv(E, 4))](x.contiguous(), weight.contiguous(), out, E, H, BE=4, BH=512, num_warps=4)
-    return out
 
 
 def split_of(H: int) -> int:

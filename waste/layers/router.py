@@ -15,10 +15,9 @@ def softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_pr
     """Qwen3-MoE / Mixtral: softmax over all experts, top-k, optional renormalisation."""
     if router_cpu.usable(x, weight):         # one decode row on the CPU: one numba call instead of five operators
         return router_cpu.softmax_topk_row(x, weight, top_k, norm_topk_prob)
-    if x.shape[0] == 1 and decode_triton.usable(x) and weight.dtype == torch.float32:
-        # a GPU decode row: the logits with the row widened as read, then softmax, top-k, renorm in one launch
-        return decode_triton.softmax_topk_tail(decode_triton.router_logits(x, weight), top_k, norm_topk_prob)
     logits = F.linear(_f32(x), _f32(weight))
+    if x.shape[0] == 1 and decode_triton.usable(logits):    # a GPU decode row: softmax, top-k, renorm in one launch
+        return decode_triton.softmax_topk_tail(logits, top_k, norm_topk_prob)
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     w, idx = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
