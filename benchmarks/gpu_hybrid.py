@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from gpu_experts import bank_views, random_bank  # noqa: E402
+from waste.convert.convert import expert_layout  # noqa: E402
 from waste.layers import moe_cpu, moe_triton  # noqa: E402
+from waste.layers.moe import layout_for  # noqa: E402
 
 
 def main() -> None:
@@ -48,6 +50,8 @@ def main() -> None:
         host = bank_views(slab, fmt, h, inter)
         tier = torch.empty(max(map(int, a.ks.split(","))), rec, dtype=torch.uint8, device="cuda")
         dev = bank_views(tier, fmt, h, inter)
+        shape = {"hidden_size": h, "moe": {"intermediate_size": inter}}
+        rewrite = layout_for(dev.fmt, "cuda", expert_layout(fmt, shape))
         cpu_kernel = moe_cpu.NumbaPairs(host)
         x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
         print(f"{fmt}: record {rec / 1e6:.2f} MB, hidden {h}, inter {inter}", flush=True)
@@ -59,6 +63,8 @@ def main() -> None:
                 with torch.cuda.stream(copy):
                     for j, s in enumerate(sel):
                         tier[j].copy_(slab[s], non_blocking=True)
+                    if rewrite is not None:         # q4: into the GPU's row layout, as the store's tier does
+                        rewrite(tier, range(len(sel)))
                     ev = torch.cuda.Event()
                     ev.record()
                 torch.cuda.current_stream().wait_event(ev)
