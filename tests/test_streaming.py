@@ -351,3 +351,40 @@ def test_decode_experts_spread_over_threads_are_bit_identical_in_bfloat16(releas
         torch.set_num_threads(saved)
     assert out["spread"][1] and not out["one"][1] and not out["resident"][1]
     assert torch.equal(out["spread"][0], out["one"][0]) and torch.equal(out["spread"][0], out["resident"][0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trunk_rows_on_every_core_in_a_streamed_decode_are_bit_identical(tmp_path, dtype, monkeypatch):
+    """Streaming on the CPU with two torch threads, torch's ops run on one but the trunk's q8 row kernels (matrices
+    from numba_ptr.PARALLEL_MIN weights: this model's q/k/v, o and head) and attention's row take both
+    (numba_ptr.wide_rows); the logits are the same bits as with one thread and with the whole bank resident."""
+    import numba
+
+    from fixtures import qwen3_moe_model, save_release
+
+    from waste import numba_ptr
+    from waste.convert.convert import convert
+
+    src = save_release(qwen3_moe_model(hidden_size=256, num_attention_heads=8, head_dim=32), tmp_path / "src")
+    c = convert(src, tmp_path / "q4.waste", experts="q4", trunk="q8", progress=False)
+    ids = list(range(5, 29))
+    with waste.load(c, dtype=dtype, budget="1G", preload=False) as probe:
+        ws = probe.plan.working_set_bytes
+    widths, call_rows = [], numba_ptr.call_rows
+
+    def spy(fn, *args):      # (torch's count, numba's) as a row kernel runs
+        return call_rows(lambda *a: (widths.append((torch.get_num_threads(), numba.get_num_threads())), fn(*a)), *args)
+    monkeypatch.setattr(numba_ptr, "call_rows", spy)
+    saved = torch.get_num_threads()
+    out = {}
+    try:
+        for name, compute, budget in (("resident", 2, None), ("one", 1, ws), ("wide", 2, ws)):
+            torch.set_num_threads(compute)
+            widths.clear()
+            logits, _ = _groups_run(c, ids, 8, budget=budget, preload=budget is None, wait_fill=budget is None,
+                                    dtype=dtype, threads=1)
+            out[name] = logits, _groups_run.spread, (1, 2) in widths
+    finally:
+        torch.set_num_threads(saved)
+    assert out["wide"][1:] == (True, True) and out["one"][1:] == (False, False) and not out["resident"][1]
+    assert torch.equal(out["wide"][0], out["one"][0]) and torch.equal(out["wide"][0], out["resident"][0])
