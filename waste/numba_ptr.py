@@ -8,7 +8,6 @@ this module imports numba: import it lazily.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numba
@@ -50,34 +49,6 @@ def follow_torch_threads() -> None:
     _followed.n = n
 
 
-@contextlib.contextmanager
-def wide_rows(n: int):
-    """Within it, on this thread, the trunk's row kernels (BoundRow) and attention's row run on n numba threads while
-    torch's ops and the expert kernels keep torch's count: a streamed CPU decode step runs torch on one thread (the
-    other cores are the expert pool's and the readers'), but between a layer's last read and the next layer's first
-    the other core idles, and the q8 rows are the longest piece of that gap (docs/LEARNED.md §3n). Their bits do not
-    depend on the thread count (row chunks, heads: one thread's each)."""
-    prev = getattr(_followed, "rows", 0)
-    _followed.rows = n
-    try:
-        yield
-    finally:
-        _followed.rows = prev
-
-
-def call_rows(fn, *args):
-    """fn(*args), a parallel numba row kernel, on the count wide_rows set on this thread, else on torch's."""
-    follow_torch_threads()
-    n = getattr(_followed, "rows", 0)
-    if not n or n == _followed.n:
-        return fn(*args)
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))   # 1.5 us; thread-local, torch's count untouched
-    try:
-        return fn(*args)
-    finally:
-        numba.set_num_threads(_followed.n)
-
-
 # below this many weights a matrix's row kernel runs on one thread: a parallel launch costs a few us
 PARALLEL_MIN = 1 << 16
 
@@ -96,7 +67,6 @@ class BoundRow:
         x = x if x.is_contiguous() else x.contiguous()
         out = np.empty((1, self.N), np.float32)
         if self.parallel:
-            call_rows(self.fn, x.data_ptr(), *self.args, out[0])
-        else:
-            self.fn(x.data_ptr(), *self.args, out[0])
+            follow_torch_threads()
+        self.fn(x.data_ptr(), *self.args, out[0])
         return torch.from_numpy(out)

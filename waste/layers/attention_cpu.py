@@ -24,10 +24,10 @@ def _kernel():
 
 
 @functools.lru_cache(maxsize=1)
-def _call():
-    from ..numba_ptr import call_rows      # imports numba: lazily
+def _follow():
+    from ..numba_ptr import follow_torch_threads      # imports numba: lazily
 
-    return call_rows
+    return follow_torch_threads
 
 
 def usable(qkv: torch.Tensor, k_buf: torch.Tensor) -> bool:
@@ -51,7 +51,8 @@ def gqa_row(qkv: torch.Tensor, H: int, G: int, q_norm, k_norm, eps: float, cos: 
     out = np.empty((1, H * d), np.float32)
     use_norm = q_norm is not None
     qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
-    _call()(_kernel(), qkv.data_ptr(), H, G, d, rotary_dim or d, q_norm.data_ptr() if use_norm else 0,
-            k_norm.data_ptr() if use_norm else 0, use_norm, np.float32(eps), cos.data_ptr(), sin.data_ptr(),
-            k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[0], n, k_buf.dtype == torch.bfloat16, out.reshape(H, d))
+    _follow()()
+    _kernel()(qkv.data_ptr(), H, G, d, rotary_dim or d, q_norm.data_ptr() if use_norm else 0, k_norm.data_ptr() if use_norm else 0,
+              use_norm, np.float32(eps), cos.data_ptr(), sin.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
+              k_buf.shape[0], n, k_buf.dtype == torch.bfloat16, out.reshape(H, d))
     return torch.from_numpy(out)

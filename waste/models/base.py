@@ -232,14 +232,11 @@ class DecoderModel:
         if self.expert_pool is not None and all(it[0].shape[0] == 1 for it in items) and torch.get_num_threads() > 1:
             # decode rows streamed on the CPU: torch's ops on one thread, the other cores the expert pool's (OpenMP's
             # workers spin between regions and took them: attention 15x slower, LEARNED §3j); a row computes to the
-            # same bits at any thread count (§3b); the trunk's row kernels take every core (numba_ptr.wide_rows, §3n)
-            from ..numba_ptr import wide_rows
-
+            # same bits at any thread count (§3b)
             n = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                with wide_rows(n):
-                    return self.step(items, last_only)
+                return self.step(items, last_only)
             finally:
                 torch.set_num_threads(n)
         c = self.prefill_chunk
