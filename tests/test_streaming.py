@@ -178,7 +178,7 @@ def _groups_run(container, ids, n, wait_fill=False, dtype="float32", **kw):
 
 
 @pytest.mark.parametrize("experts", ["bf16", "q8", "q4"])
-def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_path, experts):
+def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_path, experts, monkeypatch):
     """Item 1 of issue 15: a cold cache with one reader thread yields each layer's experts in several groups (what
     is resident, then each read as it lands) and the pairs are computed group by group; prefill and decode logits
     are the same bits as with the whole bank resident before the first token (one group per call)."""
@@ -192,12 +192,17 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
     assert all(g == 1 for _, g in ref_calls)
     with waste.load(c, dtype="float32", budget="1G", preload=False) as probe:
         ws = probe.plan.working_set_bytes
+    from waste.layers import moe
+
+    numba_spread, ran = moe._spread_numba, []
+    monkeypatch.setattr(moe, "_spread_numba", lambda *a: (ran.append(1), numba_spread(*a))[1])
     saved = torch.get_num_threads()
     try:
         for budget, compute in ((ws, 1), (ws, 2), (3 * ws, 2)):
             torch.set_num_threads(compute)   # 2: a decode row's pairs dealt between two threads (layers/moe.py spread)
+            ran.clear()
             logits, calls = _groups_run(c, ids, 8, budget=budget, preload=False, threads=1)
-            assert _groups_run.spread == (compute > 1)
+            assert _groups_run.spread == (compute > 1) and bool(ran) == (compute > 1)   # numba's pairs, one buffer
             assert torch.equal(logits, ref)
             assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
             assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
