@@ -356,3 +356,44 @@ def test_decode_experts_spread_over_threads_are_bit_identical_in_bfloat16(releas
         torch.set_num_threads(saved)
     assert out["spread"][1] and not out["one"][1] and not out["resident"][1]
     assert torch.equal(out["spread"][0], out["one"][0]) and torch.equal(out["spread"][0], out["resident"][0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_q8_rows_shared_with_the_expert_pool_in_a_streamed_decode_are_bit_identical(tmp_path, dtype, monkeypatch):
+    """Streaming on the CPU with two torch threads, the trunk's VNNI q8 rows (this model's q/k/v, o and head, from
+    q8_numba.VNNI_MIN weights) share their chunks with the expert pool's thread (numba_ptr.row_helper); the logits are
+    the same bits as with one thread and with the whole bank resident."""
+    import threading
+
+    from fixtures import qwen3_moe_model, save_release
+
+    from waste.convert.convert import convert
+    from waste.quant import q4_vnni, q8_numba
+
+    if not q4_vnni.available():
+        pytest.skip("no AVX-512 VNNI: the q8 rows have no shared kernel")
+    src = save_release(qwen3_moe_model(hidden_size=256, num_attention_heads=8, head_dim=32), tmp_path / "src")
+    c = convert(src, tmp_path / "q4.waste", experts="q4", trunk="q8", progress=False)
+    ids = list(range(5, 29))
+    with waste.load(c, dtype=dtype, budget="1G", preload=False) as probe:
+        ws = probe.plan.working_set_bytes
+    calls, shared = [], q8_numba.q8_row_vnni_shared
+
+    def spy(*a):      # (a helper's call, on the main thread)
+        calls.append((a[-1], threading.current_thread() is threading.main_thread()))
+        return shared(*a)
+    monkeypatch.setattr(q8_numba, "q8_row_vnni_shared", spy)
+    saved = torch.get_num_threads()
+    out = {}
+    try:
+        for name, compute, budget in (("resident", 2, None), ("one", 1, ws), ("shared", 2, ws)):
+            torch.set_num_threads(compute)
+            calls.clear()
+            logits, _ = _groups_run(c, ids, 8, budget=budget, preload=budget is None, wait_fill=budget is None,
+                                    dtype=dtype, threads=1)
+            out[name] = logits, _groups_run.spread, (False, True) in calls and (True, False) in calls
+    finally:
+        torch.set_num_threads(saved)
+    assert out["shared"][1:] == (True, True) and out["one"][1:] == (False, False)
+    assert out["resident"][1:] == (False, False)
+    assert torch.equal(out["shared"][0], out["one"][0]) and torch.equal(out["shared"][0], out["resident"][0])
