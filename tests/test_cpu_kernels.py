@@ -68,6 +68,29 @@ def test_q8_decode_row_is_the_product_with_the_int8_rounded_row_at_any_thread_co
     assert ((fmt.linear(x, parts, shape).double() - exact).norm() / exact.norm()).item() < 1e-6
 
 
+@pytest.mark.parametrize("shape", [(5120, 2048), (601, 224), (530, 200), (4096, 512)])
+def test_q8_rows_shared_with_a_helper_thread_are_the_rows_of_one(shape, threads):
+    """numba_ptr.row_helper: a VNNI q8 row's chunks taken from one queue by this thread and a pool's (whichever is
+    running takes the next) are the same bits as the kernel alone, however the chunks fell between them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from waste import numba_ptr
+    from waste.quant import q4_vnni
+    from waste.quant.linear import QuantWeight
+
+    if not q4_vnni.available():
+        pytest.skip("no AVX-512 VNNI: the q8 rows have no shared kernel")
+    torch.set_num_threads(1)
+    fmt, g = get_format("q8"), torch.Generator().manual_seed(5)
+    w = QuantWeight(fmt, fmt.pack(torch.randn(shape, generator=g) / shape[1] ** 0.5), shape)
+    xs = [torch.randn(1, shape[1], generator=g) for _ in range(3)]
+    ref = [linear(x, w) for x in xs]
+    assert w.row_kernel().shared is not None
+    with ThreadPoolExecutor(1) as pool, numba_ptr.row_helper(pool):
+        got = [[linear(x, w) for x in xs] for _ in range(20)]
+    assert all(torch.equal(a, b) for run in got for a, b in zip(run, ref))
+
+
 def test_bf16_decode_rows_take_the_float32_kernels_rounded():
     """A bf16 row (the compute dtype above 2 GiB) goes through the same numba kernels, widened and rounded back."""
     from waste.quant.linear import QuantWeight

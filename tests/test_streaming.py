@@ -178,7 +178,7 @@ def _groups_run(container, ids, n, wait_fill=False, dtype="float32", **kw):
 
 
 @pytest.mark.parametrize("experts", ["bf16", "q8", "q4"])
-def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_path, experts):
+def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_path, experts, monkeypatch):
     """Item 1 of issue 15: a cold cache with one reader thread yields each layer's experts in several groups (what
     is resident, then each read as it lands) and the pairs are computed group by group; prefill and decode logits
     are the same bits as with the whole bank resident before the first token (one group per call)."""
@@ -192,12 +192,17 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
     assert all(g == 1 for _, g in ref_calls)
     with waste.load(c, dtype="float32", budget="1G", preload=False) as probe:
         ws = probe.plan.working_set_bytes
+    from waste.layers import moe
+
+    numba_spread, ran = moe._spread_numba, []
+    monkeypatch.setattr(moe, "_spread_numba", lambda *a: (ran.append(1), numba_spread(*a))[1])
     saved = torch.get_num_threads()
     try:
         for budget, compute in ((ws, 1), (ws, 2), (3 * ws, 2)):
             torch.set_num_threads(compute)   # 2: a decode row's pairs dealt between two threads (layers/moe.py spread)
+            ran.clear()
             logits, calls = _groups_run(c, ids, 8, budget=budget, preload=False, threads=1)
-            assert _groups_run.spread == (compute > 1)
+            assert _groups_run.spread == (compute > 1) and bool(ran) == (compute > 1)   # numba's pairs, one buffer
             assert torch.equal(logits, ref)
             assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
             assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
@@ -351,3 +356,44 @@ def test_decode_experts_spread_over_threads_are_bit_identical_in_bfloat16(releas
         torch.set_num_threads(saved)
     assert out["spread"][1] and not out["one"][1] and not out["resident"][1]
     assert torch.equal(out["spread"][0], out["one"][0]) and torch.equal(out["spread"][0], out["resident"][0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_q8_rows_shared_with_the_expert_pool_in_a_streamed_decode_are_bit_identical(tmp_path, dtype, monkeypatch):
+    """Streaming on the CPU with two torch threads, the trunk's VNNI q8 rows (this model's q/k/v, o and head, from
+    q8_numba.VNNI_MIN weights) share their chunks with the expert pool's thread (numba_ptr.row_helper); the logits are
+    the same bits as with one thread and with the whole bank resident."""
+    import threading
+
+    from fixtures import qwen3_moe_model, save_release
+
+    from waste.convert.convert import convert
+    from waste.quant import q4_vnni, q8_numba
+
+    if not q4_vnni.available():
+        pytest.skip("no AVX-512 VNNI: the q8 rows have no shared kernel")
+    src = save_release(qwen3_moe_model(hidden_size=256, num_attention_heads=8, head_dim=32), tmp_path / "src")
+    c = convert(src, tmp_path / "q4.waste", experts="q4", trunk="q8", progress=False)
+    ids = list(range(5, 29))
+    with waste.load(c, dtype=dtype, budget="1G", preload=False) as probe:
+        ws = probe.plan.working_set_bytes
+    calls, shared = [], q8_numba.q8_row_vnni_shared
+
+    def spy(*a):      # (a helper's call, on the main thread)
+        calls.append((a[-1], threading.current_thread() is threading.main_thread()))
+        return shared(*a)
+    monkeypatch.setattr(q8_numba, "q8_row_vnni_shared", spy)
+    saved = torch.get_num_threads()
+    out = {}
+    try:
+        for name, compute, budget in (("resident", 2, None), ("one", 1, ws), ("shared", 2, ws)):
+            torch.set_num_threads(compute)
+            calls.clear()
+            logits, _ = _groups_run(c, ids, 8, budget=budget, preload=budget is None, wait_fill=budget is None,
+                                    dtype=dtype, threads=1)
+            out[name] = logits, _groups_run.spread, (False, True) in calls and (True, False) in calls
+    finally:
+        torch.set_num_threads(saved)
+    assert out["shared"][1:] == (True, True) and out["one"][1:] == (False, False)
+    assert out["resident"][1:] == (False, False)
+    assert torch.equal(out["shared"][0], out["one"][0]) and torch.equal(out["shared"][0], out["resident"][0])

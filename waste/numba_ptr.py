@@ -8,11 +8,13 @@ this module imports numba: import it lazily.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -49,6 +51,33 @@ def follow_torch_threads() -> None:
     _followed.n = n
 
 
+@intrinsic
+def fetch_add(typingctx, addr, i, v):
+    """Atomically add v to the int64 at addr + 8 i; the value before (a chunk queue shared by threads)."""
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        p = builder.gep(builder.inttoptr(args[0], i64.as_pointer()), [args[1]])
+        return builder.atomic_rmw("add", p, args[2], "seq_cst")
+    return types.int64(types.int64, types.int64, types.int64), codegen
+
+
+_helper = threading.local()
+
+
+@contextlib.contextmanager
+def row_helper(pool):
+    """Within it, on this thread, a shared-queue row kernel (BoundRow's `shared`) also hands its chunks to one
+    thread of pool, idle then (a streamed CPU decode step's expert pool between a layer's last pair and its next
+    reads: docs/LEARNED.md §3n). Whichever thread is running takes the next chunk, so a helper that wakes late
+    costs nothing but its submit; a chunk's bits are one thread's whoever computes it."""
+    prev = getattr(_helper, "pool", None)
+    _helper.pool = pool
+    try:
+        yield
+    finally:
+        _helper.pool = prev
+
+
 # below this many weights a matrix's row kernel runs on one thread: a parallel launch costs a few us
 PARALLEL_MIN = 1 << 16
 
@@ -58,14 +87,23 @@ class BoundRow:
     once (the format's parts stay referenced: the kernel reads their memory); `parallel` (spread over torch's
     threads) from PARALLEL_MIN weights, `serial` below."""
 
-    def __init__(self, parallel, serial, parts: dict, args: tuple, shape):
+    def __init__(self, parallel, serial, parts: dict, args: tuple, shape, shared=None):
         N, K = shape
         self.parts, self.N, self.args = parts, N, args
         self.fn, self.parallel = (parallel, True) if N * K >= PARALLEL_MIN else (serial, False)
+        # shared(x_p, *args, y_p, queue_p, helper): the row chunks taken from a queue [next, done] (row_helper)
+        self.shared = shared if self.parallel else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.is_contiguous() else x.contiguous()
         out = np.empty((1, self.N), np.float32)
+        pool = getattr(_helper, "pool", None)
+        if pool is not None and self.shared is not None:
+            q = np.zeros(2, np.int64)       # a fresh queue a call: a helper that wakes after it finds it spent
+            args = (x.data_ptr(), *self.args, out.ctypes.data, q.ctypes.data)
+            pool.submit(self.shared, *args, True)._keep = (x, out, q)
+            self.shared(*args, False)
+            return torch.from_numpy(out)
         if self.parallel:
             follow_torch_threads()
         self.fn(x.data_ptr(), *self.args, out[0])

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..quant.linear import ROW_DTYPES
@@ -332,6 +333,8 @@ def spread(x: torch.Tensor, groups, bank: Bank, kernel: Kernel, pool) -> torch.T
     streamed layer runs on more than one core while its reads land. Only for kernels that compute just the pairs
     they are given, each alone (numba's row kernel, per-matrix formats; both release the GIL), so the bits are
     those of one call."""
+    if _numba_row(x, bank):
+        return _spread_numba(x, groups, bank.row_kernel(), pool)
     out, theirs, turn = None, [], 0
     for (slots,), _ in groups:
         if out is None:
@@ -347,6 +350,33 @@ def spread(x: torch.Tensor, groups, bank: Bank, kernel: Kernel, pool) -> torch.T
     for give, f in theirs:
         out[0, give] = f.result()[0, give]
     return out
+
+
+def _spread_numba(x: torch.Tensor, groups, nb, pool) -> torch.Tensor:
+    """spread through numba's row kernel without torch operators between the reads (each costs ~5-10 us, and those
+    after a layer's last read are on the step's critical path, docs/LEARNED.md §3n): both threads write their pairs
+    into one float32 buffer; a group's first pair is this thread's (a lone pair, a layer's last, waits for no wake-up),
+    every other one of the rest the pool's. The same kernel on the same pairs: the bits of spread."""
+    x32 = x.float() if x.dtype != torch.float32 else x
+    x32 = x32 if x32.is_contiguous() else x32.contiguous()
+    out, theirs = None, []
+    for (slots,), _ in groups:
+        row = slots.tolist()[0]          # no torch operator
+        k = len(row)
+        if out is None:
+            out = np.zeros((k, x.shape[-1]), np.float32)
+        valid = [p for p in range(k) if row[p] >= 0]
+        mine, give = np.full(k, -1, np.int64), np.full(k, -1, np.int64)
+        for j, p in enumerate(valid):
+            (give if j % 2 else mine)[p] = row[p]
+        if len(valid) > 1:
+            theirs.append(pool.submit(nb.into, x32, give, out))
+        if valid:
+            nb.into(x32, mine, out)
+    for f in theirs:
+        f.result()
+    y = torch.from_numpy(out).unsqueeze(0)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def _only(slots: torch.Tensor, pairs: list[int]) -> torch.Tensor:

@@ -63,6 +63,12 @@ class NumbaPairs:
             groups = np.array([parts[m]["sz"].shape[1] for m in ("gate", "up", "down")], np.int64)
             self.fn, self.args = _kernels()["q4"], (*arrays, os, groups, inter, limit)
 
+    def into(self, x: torch.Tensor, slots: np.ndarray, out: np.ndarray) -> None:
+        """The pairs of slots (int64 [k], -1: not computed) of x (float32 [1, h], contiguous) into their rows of out
+        (float32 [k, h]); the others left as they are, so threads may fill one out with disjoint pairs (moe.spread)."""
+        self.follow()
+        self.fn(x.data_ptr(), x.shape[-1], slots.ctypes.data, slots.shape[0], *self.args, out)
+
     def __call__(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """x [1, h] float32 or bf16, slots [1, k] int64 (-1: left zero) -> [1, k, h] in x's dtype."""
         k, h = slots.shape[1], x.shape[-1]

@@ -234,10 +234,13 @@ class DecoderModel:
             # decode rows streamed on the CPU: torch's ops on one thread, the other cores the expert pool's (OpenMP's
             # workers spin between regions and took them: attention 15x slower, LEARNED §3j); a row computes to the
             # same bits at any thread count (§3b)
+            from ..numba_ptr import row_helper
+
             n = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                return self.step(items, last_only)
+                with row_helper(self.expert_pool):    # its thread also takes the q8 rows' chunks (§3n)
+                    return self.step(items, last_only)
             finally:
                 torch.set_num_threads(n)
         c = self.prefill_chunk

@@ -315,24 +315,27 @@ class ExpertCache:
         per = max(min(self.n_slots, self.n_dev), 1)
         if self.tier is not None:
             self.tier.begin()
+        row, ids = self._slots[layer], None
         for g in range(0, len(union), per):
             group = union[g:g + per]
             waits = self._make_resident(layer, group)
             if ahead is not None:   # after this layer's reads are queued: the pool reads in submission order
                 self._ahead(*ahead, {(layer, e) for e in group})
                 ahead = None
+            # the slots looked up through numpy, after the reads are queued: torch's indexing dispatches operators
+            # (~5-10 us each), and a decode layer's last group is on the step's critical path (docs/LEARNED.md §3n)
+            ids = ids or [i.numpy() for i in on_host]
             if not waits and len(group) == len(union):
                 if self.dev_slab is not None:
                     self._flush()
-                m = self.layer_slots[layer]
-                yield self._up([m[i] for i in on_host]), True
+                yield self._up([torch.from_numpy(row[a]) for a in ids]), True
                 continue
             for landed in self._landing(layer, group, waits):
                 if self.dev_slab is not None:
                     self._flush()
-                lut = torch.full_like(self.slot_map[layer], -1)
-                lut[landed] = self.slot_map[layer, landed]
-                yield self._up([lut[i] for i in on_host]), False
+                lut = np.full(row.shape, -1, np.int64)
+                lut[landed] = row[landed]
+                yield self._up([torch.from_numpy(lut[a]) for a in ids]), False
         if self._tier_next is not None:   # the layer's kernels are queued: the next layer's guesses go up beside them
             self.tier.prefetch(self._tier_next)
             self._tier_next = None
