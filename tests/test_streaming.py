@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import time
+
 import pytest
 import torch
 
@@ -196,6 +198,12 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
 
     numba_spread, ran = moe._spread_numba, []
     monkeypatch.setattr(moe, "_spread_numba", lambda *a: (ran.append(1), numba_spread(*a))[1])
+    # each read a little slower than a group's compute, so a layer's reads land over time whatever else the machine
+    # runs (on a loaded box the one reader could finish a prefill layer's reads before its first group was taken)
+    from waste.runtime.cache import ExpertCache
+
+    read = ExpertCache._timed_read
+    monkeypatch.setattr(ExpertCache, "_timed_read", lambda self, *a: (time.sleep(0.005), read(self, *a))[1])
     saved = torch.get_num_threads()
     try:
         for budget, compute in ((ws, 1), (ws, 2), (3 * ws, 2)):
