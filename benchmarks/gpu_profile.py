@@ -7,7 +7,10 @@ MODEL: a container or a `random:` spec (random:qwen3-30b-a3b,experts=q4[,layers=
 Arms, interleaved over --rounds, each a fresh sequence (32-token prompt, 4 warm-up steps that capture its graph,
 then -n timed steps, greedy; median per round): fused = the defaults: layers/decode_triton.py's kernels and
 moe_triton.weighted_pairs (q4: layers/q4_rows.py over the GPU's row layout, SwiGLU applied by the gate + up launch,
-the routing weight by the down launch; moe_triton.sum_pairs sums a row's pairs); kdaeager = fused with KDA layers
+the routing weight by the down launch, a decode row's x and activation rounded to int8 by q4_int8_rows, whose down
+launch also sums a row's pairs; the trunk's decode matvecs by quant/gemv_triton, the router by
+decode_triton.router_row); f32q4 = fused with q4_rows' float32 rows (q4_int8_rows off); cublas = fused with cuBLAS's
+matvecs and router (gemv_triton and router_row off); kdaeager = fused with KDA layers
 eager (graphs.py's `layer` off); torch = none of them (decode_triton off,
 the experts through moe_triton.pairs and torch's activation and weighted sum). Then, per arm, torch.profiler with CUDA
 activities over --profile steps, replayed (whole-step graph) and eager: kernels per step and per layer, kernel time
@@ -34,7 +37,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from expert_parallel_gpu import hbm_rate, token_bytes  # noqa: E402
 from gpu_decode import launch_us  # noqa: E402
 from waste.engine import Engine  # noqa: E402
-from waste.layers import decode_triton, moe_triton, q4_rows  # noqa: E402
+from waste.layers import decode_triton, moe_triton, q4_int8_rows, q4_rows  # noqa: E402
+from waste.quant import gemv_triton  # noqa: E402
 
 
 def graph_launch_us(n: int = 200) -> float:
@@ -64,6 +68,8 @@ def graph_launch_us(n: int = 200) -> float:
 
 def set_arm(m, arm: str) -> None:
     decode_triton.ENABLED = arm != "torch"
+    q4_int8_rows.ENABLED = arm not in ("torch", "f32q4")
+    gemv_triton.ENABLED = decode_triton.ROUTER_ROW = arm not in ("torch", "cublas")
     moe_triton.pairs.weighted_pairs = None if arm == "torch" else moe_triton.weighted_pairs
     if m.graphs is not None:           # captured with the other arm's kernels: capture again, in a new pool (torch
         m.graphs.steps.clear()         # asserts when a pool whose graphs were all freed is captured into again)
@@ -130,12 +136,17 @@ def main() -> None:
     ap.add_argument("--arms", default="fused,torch")
     ap.add_argument("--q4-tiles", help="q4_rows' (rows a program, groups a step, warps) for gate + up and down, as "
                     "benchmarks/q4_tiles.py --best writes them: 16.2.4/8.2.4")
+    ap.add_argument("--gemv-tiles", type=Path, help="benchmarks/gemv_tiles.py --best's JSON: gemv_triton's tiles")
     ap.add_argument("--profile", type=int, default=4, help="steps under the profiler per arm (0: none)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if a.q4_tiles:
         q4_rows.GATE_UP, q4_rows.DOWN = (tuple(int(v) for v in part.split(".")) for part in a.q4_tiles.split("/"))
         print(f"q4_rows: gate + up {q4_rows.GATE_UP}, down {q4_rows.DOWN}", flush=True)
+    if a.gemv_tiles and a.gemv_tiles.is_file():
+        for key, tile in json.loads(a.gemv_tiles.read_text()).items():
+            gemv_triton.TILES[tuple(int(v) for v in key.split(","))] = tuple(tile)
+        print(f"gemv_triton tiles: {gemv_triton.TILES}", flush=True)
     rate, eager_us, graph_us = hbm_rate(), launch_us(), graph_launch_us()
     t0 = time.perf_counter()
     eng = Engine.load(a.model, dtype="bfloat16", device="cuda")

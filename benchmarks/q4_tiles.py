@@ -25,12 +25,13 @@ import torch  # noqa: E402
 
 from expert_parallel_gpu import hbm_rate  # noqa: E402
 from waste.container.bank import _DTYPES, RecordLayout  # noqa: E402
-from waste.layers import moe_triton, q4_rows  # noqa: E402
+from waste.layers import moe_triton, q4_int8_rows, q4_rows  # noqa: E402
 from waste.layers.moe import MATRICES, Bank  # noqa: E402
 from waste.quant.formats import get_format  # noqa: E402
 
 GU = [(bn, ng, w) for bn in (2, 4, 8, 16) for ng in (4, 8, 16, 32) for w in (2, 4, 8) if bn * ng <= 128]
 DOWN = [(bn, ng, w) for bn in (2, 4, 8, 16) for ng in (4, 8, 16) for w in (2, 4, 8) if bn * ng <= 128]
+I8 = [(bn, ng, w) for bn in (4, 8, 16, 32) for ng in (2, 4, 8, 16) for w in (2, 4, 8) if bn * ng <= 256]
 
 
 def random_bank(h: int, inter: int, n: int) -> tuple[Bank, int]:
@@ -84,6 +85,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=128)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--best", type=Path)
+    ap.add_argument("--rows", default="i8", choices=("i8", "float"),
+                    help="whose tiles to search: q4_int8_rows' (the float kernels' defaults timed beside) or q4_rows'")
     ap.add_argument("--tiles", help="one arm only (GU/DOWN, e.g. 16.2.4/8.2.4), no other (for ncu)")
     a = ap.parse_args()
     rate = hbm_rate()
@@ -110,22 +113,33 @@ def main() -> None:
     wt = w.reshape(-1)
     a_fixed = torch.rand(a.k, 768, device="cuda")
 
-    def gate_up(tile):
-        return lambda sl: q4_rows.gate_up_act(x, a.k, sl.reshape(-1), bank, moe_triton._delta, tile)
+    mod = q4_int8_rows if a.rows == "i8" else q4_rows
+    q4_int8_rows.ENABLED = a.rows == "i8"
 
-    def down(tile):
-        return lambda sl: q4_rows.down(a_fixed, sl.reshape(-1), wt, bank, tile)
+    def gate_up(tile, rows=mod):
+        return lambda sl: rows.gate_up_act(x, a.k, sl.reshape(-1), bank, moe_triton._delta, tile)
 
-    def both(gu, dn):
-        return lambda sl: moe_triton.sum_pairs(moe_triton.weighted_pairs(x, sl, w, bank, gate_up=gu, down=dn),
-                                               x.dtype)
+    a_words = q4_int8_rows.quantize(a_fixed, 768 // bank.parts["down"]["sz"].shape[1])
+
+    def down(tile, rows=mod):
+        a_in = (a_fixed, a_words) if rows is q4_int8_rows else a_fixed
+        return lambda sl: rows.down(a_in, sl.reshape(-1), wt, bank, tile)
+
+    def both(gu, dn):       # the pairs summed as a layer's one group of pairs is (by the down launch: int8 rows)
+        return lambda sl: moe_triton.weighted_pairs(x, sl, w, bank, gate_up=gu, down=dn, total=x.dtype)
 
     if a.tiles:
         gu, dn = (tuple(int(v) for v in part.split(".")) for part in a.tiles.split("/"))
         arm(f"gu {gu} down {dn}", both(gu, dn), byts)
         return
+    if a.rows == "i8":         # the float kernels at their defaults first, in the same run
+        for name, fn, share in (("float gate + up", gate_up(None, q4_rows), 2 / 3),
+                                ("float down", down(None, q4_rows), 1 / 3)):
+            ref = None
+            arm(name, fn, share * byts)
     best = []
-    for name, make, tiles, share in (("gate + up", gate_up, GU, 2 / 3), ("down", down, DOWN, 1 / 3)):
+    grids = ((I8, I8) if a.rows == "i8" else (GU, DOWN))
+    for name, make, tiles, share in (("gate + up", gate_up, grids[0], 2 / 3), ("down", down, grids[1], 1 / 3)):
         ref = None
         res = sorted((arm(f"{name} {t}", make(t), share * byts), t) for t in tiles)
         for tt, t in res[:5]:

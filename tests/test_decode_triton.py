@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("triton")
 from test_moe_triton import DEV, slab_bank  # noqa: E402  (also patches the interpreter for numpy >= 2.4)
 
-from waste.layers import decode_triton, moe_triton  # noqa: E402
+from waste.layers import decode_triton, moe_triton, q4_int8_rows  # noqa: E402
 from waste.layers.moe import MATRICES, routed_experts, routed_groups  # noqa: E402
 from waste.layers.attention import masked_attend  # noqa: E402
 from waste.layers.norm import rms_norm  # noqa: E402
@@ -74,10 +74,12 @@ def test_softmax_topk_tail_matches_torch():
 
 @pytest.mark.parametrize("fmt,h,inter,limit", [("bf16", 64, 32, None), ("q8", 64, 32, None), ("q4", 128, 96, None),
                                                ("q4", 128, 64, 0.05)])
-def test_weighted_pairs_match_pairs_and_weighted_sum(fmt, h, inter, limit):
+def test_weighted_pairs_match_pairs_and_weighted_sum(fmt, h, inter, limit, monkeypatch):
     """The down launch with the activation applied (q4: by the gate and up launch) and the routing weight applied,
     against the two-launch pairs and the separate weighted sum; a -1 pair stays zero; and a layer's pairs arriving
-    in two groups (a small cache) sum to the same bits as in one."""
+    in two groups (a small cache) sum to the same bits as in one. q4 in float32 rows (q4_rows; the int8 rows of
+    q4_int8_rows are checked against their own rounding in tests/test_q4_int8_rows.py)."""
+    monkeypatch.setattr(q4_int8_rows, "ENABLED", False)
     bank, _ = slab_bank(fmt, h, inter, n_slots=5)
     bank.limit = limit
     g = torch.Generator().manual_seed(4)
@@ -127,3 +129,23 @@ def test_add_rms_is_the_add_then_the_norm(dtype, N):
     ref = torch.nn.functional.rms_norm((h + y).float(), (N,), w, 1e-6)
     assert rel(x, ref) < (1e-6 if dtype == torch.float32 else 5e-3)
     assert torch.equal(decode_triton.rms_rows(oh, w, 1e-6), x)
+
+
+@pytest.mark.parametrize("E,H,k,norm,wdtype,xdtype", [(128, 256, 8, True, torch.float32, torch.bfloat16),
+                                                       (60, 96, 6, False, torch.float32, torch.float32),
+                                                       (16, 3000, 2, True, torch.bfloat16, torch.bfloat16)])
+def test_router_row_is_the_logits_then_the_tail(E, H, k, norm, wdtype, xdtype):
+    """router_row: float32 logits of x widened (H past one 2048-column step at 3000), then softmax_topk_tail's
+    choice; called three times on other rows, so the count its last program resets must be zero each time."""
+    g = torch.Generator().manual_seed(E)
+    r = (torch.randn(E, H, generator=g) / H ** 0.5).to(wdtype).to(DEV)
+    for _ in range(3):
+        x = torch.randn(1, H, generator=g).to(xdtype).to(DEV)
+        w, idx = decode_triton.router_row(x, r, k, norm)
+        logits = x.double().cpu() @ r.double().cpu().T
+        pw, pidx = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+        if norm:
+            pw = pw / pw.sum(-1, keepdim=True)
+        assert torch.equal(idx.cpu(), pidx) and w.dtype == torch.float32 and w.shape == (1, k)
+        assert torch.allclose(w.cpu().double(), pw, rtol=1e-5, atol=1e-7)
+    assert not decode_triton.counts(r.device, 1, "router_row").any()

@@ -8,9 +8,15 @@ pytest.importorskip("triton")
 from test_moe_triton import DEV, slab_bank  # noqa: E402  (also patches the interpreter for numpy >= 2.4)
 
 from waste.container.bank import RecordLayout  # noqa: E402
-from waste.layers import moe_triton, q4_rows  # noqa: E402
+from waste.layers import moe_triton, q4_int8_rows, q4_rows  # noqa: E402
 from waste.quant.formats import get_format  # noqa: E402
 from waste.quant.int4pack import pack_nibbles, to_rows  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def float_rows(monkeypatch):
+    """These are q4_rows' float kernels: a decode row through weighted_pairs takes them, not q4_int8_rows'."""
+    monkeypatch.setattr(q4_int8_rows, "ENABLED", False)
 
 
 def rel(a, b):

@@ -8,7 +8,8 @@ small kernels, each costing a few microseconds whatever it reads: docs/LEARNED.m
   each head's rows split in equal shares over programs and the shares' softmax combined (flash-decoding; one
   program a head had left the chip idle: docs/LEARNED.md §10g).
 - softmax_topk_tail: a router's softmax over the experts' logits, top-k and the renormalisation: one launch
-  instead of four to six.
+  instead of four to six. router_row: a decode row's logits and that tail in one launch (the last of its programs
+  to finish takes the tail), without the row's cast to float32.
 - add_rms: the residual add and the next RMS norm of rows in one launch (the norm's float32 weight read as it is:
   the add, the norm and the weight's cast were three); rms_rows is the same kernel without the add, which every
   CUDA row norm of that shape takes, so a norm's bits do not depend on whether an add came with it.
@@ -26,6 +27,7 @@ except ImportError:          # no triton: callers keep the torch path
     triton = None
 
 ENABLED = True               # benchmarks turn the fused kernels off to measure the torch path in the same process
+ROUTER_ROW = True            # router_row for a decode row's softmax router (benchmarks time cuBLAS's path)
 ATTN_SPLIT = True            # attend_row split over the keys (flash-decoding: two launches); False: a program a head
 
 
@@ -143,12 +145,8 @@ if triton is not None:
         tl.store(o_ptr + h * D + d, o.to(o_ptr.dtype.element_ty))
 
     @triton.jit
-    def _softmax_topk(logit_ptr, E, w_ptr, idx_ptr, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                      NORM: tl.constexpr):
-        # one program per row: softmax over E logits, the K largest (descending; ties to the lower id), renormalised
-        t = tl.program_id(0)
-        e = tl.arange(0, BE)
-        x = tl.load(logit_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    def _topk_of(x, e, E, w_ptr, idx_ptr, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr):
+        # softmax over the E logits x [BE] (lanes e), the K largest (descending; ties to the lower id), renormalised
         p = tl.exp(x - tl.max(x, 0))
         p = p / tl.sum(p, 0)
         p = tl.where(e < E, p, -1.0)
@@ -163,8 +161,38 @@ if triton is not None:
             p = tl.where(e == i, -2.0, p)
         if NORM:
             ws = ws / tl.sum(ws, 0)
-        tl.store(w_ptr + t * K + kr, ws, mask=kr < K)
-        tl.store(idx_ptr + t * K + kr, ids, mask=kr < K)
+        tl.store(w_ptr + kr, ws, mask=kr < K)
+        tl.store(idx_ptr + kr, ids, mask=kr < K)
+
+    @triton.jit
+    def _softmax_topk(logit_ptr, E, w_ptr, idx_ptr, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                      NORM: tl.constexpr):
+        # one program per row of logits
+        t = tl.program_id(0)
+        e = tl.arange(0, BE)
+        x = tl.load(logit_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        _topk_of(x, e, E, w_ptr + t * K, idx_ptr + t * K, K, KP, BE, NORM)
+
+    @triton.jit
+    def _router_row(x_ptr, r_ptr, logit_ptr, count_ptr, E, H, w_ptr, idx_ptr, EP: tl.constexpr, BH: tl.constexpr,
+                    K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr):
+        # EP experts' float32 logits of one row (x widened as read), then the last program to finish takes the
+        # softmax and top-k of all E (the programs count themselves in count_ptr, which that program zeroes again)
+        e = tl.program_id(0) * EP + tl.arange(0, EP)
+        em = e < E
+        acc = tl.zeros([EP, BH], tl.float32)
+        for h0 in range(0, H, BH):
+            h = h0 + tl.arange(0, BH)
+            hm = h < H
+            w = tl.load(r_ptr + e[:, None].to(tl.int64) * H + h[None, :], mask=em[:, None] & hm[None, :], other=0.0)
+            acc += w.to(tl.float32) * tl.load(x_ptr + h, mask=hm, other=0.0).to(tl.float32)[None, :]
+        tl.store(logit_ptr + e, tl.sum(acc, 1), mask=em)
+        tl.debug_barrier()                 # every thread's logits stored before the count says so
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.store(count_ptr, 0)
+            a = tl.arange(0, BE)
+            x = tl.load(logit_ptr + a, mask=a < E, other=float("-inf"), cache_modifier=".cg")
+            _topk_of(x, a, E, w_ptr, idx_ptr, K, KP, BE, NORM)
 
 def qk_rope_usable(qkv: torch.Tensor, cos: torch.Tensor, kbuf: torch.Tensor, d: int, rotary_dim) -> bool:
     return (usable(qkv) and qkv.shape[0] == 1 and qkv.is_contiguous() and kbuf.is_contiguous()
@@ -248,12 +276,51 @@ def split_of(H: int) -> int:
     return max(1, min(16, 512 // H))
 
 
+_COUNTS: dict = {}          # (device, stream, use) -> int32 counts of finished programs (their kernels zero them again)
+_RETIRED: list = []
+
+
+def counts(device: torch.device, n: int, use: str) -> torch.Tensor:
+    """n int32 counters, zero, for a kernel whose last program to finish (counted by atomics) finishes the launch's
+    work and zeroes its counter again: one buffer per device, stream and use, so calls in order share it."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, use)
+    c = _COUNTS.get(key)
+    if c is None or c.numel() < n:
+        if c is not None:           # a captured CUDA graph may hold the smaller one: kept, never freed
+            _RETIRED.append(c)
+        c = _COUNTS[key] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return c
+
+
+def router_row_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One CUDA row [1, H] and a router [E, H] router_row takes (float32 or bf16 weights, up to 4096 experts)."""
+    return (ROUTER_ROW and usable(x) and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+            and weight.is_contiguous()
+            and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.shape[0] <= 4096
+            and weight.dtype in (torch.float32, torch.bfloat16) and weight.device == x.device)
+
+
+def router_row(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool):
+    """A decode row's router in one launch: float32 logits x W^T (x widened as read, no cast launch), softmax,
+    top-k, renormalised when norm -> (weights [1, k] float32, ids [1, k] int64), as softmax_topk_tail of the
+    logits (a program an expert: the gemv's 1 MB over 128 programs, not 32: LEARNED §10j)."""
+    E, H = weight.shape
+    count = counts(x.device, 1, "router_row")
+    logits = torch.empty(E, dtype=torch.float32, device=x.device)
+    w = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(1, top_k, dtype=torch.int64, device=x.device)
+    BH = min(triton.next_power_of_2(H), 2048)
+    _router_row[(E,)](x, weight, logits, count, E, H, w, idx, EP=1, BH=BH, K=top_k, KP=triton.next_power_of_2(top_k),
+                      BE=triton.next_power_of_2(E), NORM=norm, num_warps=4)
+    return w, idx
+
+
 def softmax_topk_tail(logits: torch.Tensor, top_k: int, norm: bool):
     """Float32 logits [T, E] -> (weights [T, k] float32, ids [T, k] int64): softmax, top-k descending, renormalised
     when norm (the torch router's order of operations)."""
     T, E = logits.shape
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
-    _softmax_topk[(T,)](logits.contiguous(), E, w, idx, K=top_k, KP=triton.next_power_of_2(top_k), BE=triton.next_power_of_2(E), NORM=norm,
-                        num_warps=1)
+    _softmax_topk[(T,)](logits.contiguous(), E, w, idx, K=top_k, KP=triton.next_power_of_2(top_k),
+                        BE=triton.next_power_of_2(E), NORM=norm, num_warps=1)
     return w, idx

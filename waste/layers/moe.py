@@ -288,11 +288,19 @@ def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, b
         # a kernel that weighs each pair itself (moe_triton: float32 pairs, no activation or weighting operators):
         # the pairs of every group kept, summed over k once, as below
         acc = None
-        for slots, _ in groups:
+        total = getattr(wp, "sum_pairs", None)      # the kernel's own sum and cast in one launch, where it has one
+        it = iter(groups)
+        for slots, complete in it:
+            if complete and acc is None and total is not None:
+                # every pair in this one group: summed by the kernel itself (q4 decode rows: in the down launch);
+                # the store's call is finished (it yields nothing more) before the result is returned
+                out = [wp(x, s, w, bank, total=x.dtype) for x, s, w in zip(xs, slots, weights)]
+                for _ in it:
+                    raise RuntimeError("the expert store yielded a group after a complete one")
+                return out
             part = [wp(x, s, w, bank) for x, s, w in zip(xs, slots, weights)]
             acc = part if acc is None else [torch.where((s >= 0).unsqueeze(-1), p, a)
                                             for a, s, p in zip(acc, slots, part)]
-        total = getattr(wp, "sum_pairs", None)      # the kernel's own sum and cast in one launch, where it has one
         return [a.sum(1).to(x.dtype) if total is None else total(a, x.dtype) for a, x in zip(acc, xs)]
     pairs = None
     for slots, complete in groups:

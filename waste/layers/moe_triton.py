@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..quant.lowbit import E2M1
-from . import q4_rows
+from . import q4_int8_rows, q4_rows
 from .moe import Bank, register, register_layout, segments
 
 # tiles per format kind (rows per program, columns per step, warps): the fastest of those timed on the H200 inside
@@ -225,19 +225,28 @@ def _rows(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, bank: Ban
 
 
 def weighted_pairs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, bank: Bank, bn: int | None = None,
-                   bk: int | None = None, warps: int | None = None, **tune) -> torch.Tensor:
+                   bk: int | None = None, warps: int | None = None, total: torch.dtype | None = None,
+                   **tune) -> torch.Tensor:
     """weights[t, k] * expert_{slots[t, k]}(x[t]) per pair, float32 [T, k, h] (-1 pairs zero), in two launches:
     gate and up (q4: with the SwiGLU applied), then down with the routing weight applied (float, q8: the SwiGLU
     applied as it reads). Exact per pair whatever else is in the call; the caller sums over k once every group of the
-    layer is in (moe.routed_groups), so the bits do not depend on the grouping."""
+    layer is in (moe.routed_groups), so the bits do not depend on the grouping. total: the pairs summed over k
+    instead, [T, h] in that dtype (sum_pairs' arithmetic; q4 decode rows: inside the down launch), for a layer
+    whose pairs are all in one group."""
     T, k = slots.shape
     kind = bank.fmt.kind or bank.fmt.name
     xk, flat, wt = _rows(x, slots, weights, bank)
     P = flat.numel()
     N, K = bank.shapes["down"]
     if kind == "q4":
-        a = q4_rows.gate_up_act(xk, k, flat, bank, _delta, tune.get("gate_up"))
-        return q4_rows.down(a, flat, wt, bank, tune.get("down")).view(T, k, N)
+        # a decode row: x rounded to int8 as the CPU's decode row is (q4_int8_rows); prefill rows stay float32, as
+        # the CPU's prefill
+        rows = q4_int8_rows if T == 1 and q4_int8_rows.serves(bank) else q4_rows
+        a = rows.gate_up_act(xk, k, flat, bank, _delta, tune.get("gate_up"))
+        if total is not None and rows is q4_int8_rows:
+            return rows.down(a, flat, wt, bank, tune.get("down"), total=total)
+        y = rows.down(a, flat, wt, bank, tune.get("down")).view(T, k, N)
+        return y if total is None else sum_pairs(y, total)
     inter = bank.shapes["gate"][0]
     gu = torch.empty(2, P, inter, dtype=xk.dtype, device=x.device)
     matvec(("gate", "up"), xk, flat, bank, gu, k, bn=bn, bk=bk, warps=warps)
@@ -251,7 +260,7 @@ def weighted_pairs(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
                                        w if s is None else s, 0 if s is None else s.stride(0), y, y.stride(0), N, K,
                                        bank.limit if lim else 0.0, BN=bn, BK=bk or dbk,
                                        KIND={"float": 0, "q8": 1}[kind], LIMIT=lim, num_warps=warps)
-    return y.view(T, k, N)
+    return y.view(T, k, N) if total is None else sum_pairs(y.view(T, k, N), total)
 
 
 @triton.jit

@@ -57,6 +57,19 @@ def _dot(qrow, xrow, szrow, n, nm, g0, KG, szg, KB, GH: tl.constexpr, NG: tl.con
 
 
 @triton.jit
+def _swiglu(g, u, held, limit, LIMIT: tl.constexpr, ROUND: tl.constexpr):
+    # SwiGLU of a pair's gate and up rows, each rounded to bf16 first where the rows are (ROUND), as a stored gate /
+    # up row is, clamped where the bank has a limit; zero where the call does not hold the pair
+    if ROUND:
+        g = g.to(tl.bfloat16).to(tl.float32)
+        u = u.to(tl.bfloat16).to(tl.float32)
+    if LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return tl.where(held, g * tl.sigmoid(g) * u, 0.0)
+
+
+@triton.jit
 def _held(slot_ptr, p):
     # a pair's slot (0 where not held) and whether this call holds it (-1: another group of the layer computes it)
     slot = tl.load(slot_ptr + p).to(tl.int64)
@@ -80,13 +93,7 @@ def _gate_up_act(x_ptr, sx, KDIV, slot_ptr, q_ptr, qs, DQ, sz_ptr, szs, szg, DS,
     for g0 in range(0, KG, NG):
         g += _dot(qg, xrow, sg, n, nm, g0, KG, szg, KB, GH, NG)
         u += _dot(qg + DQ, xrow, sg + DS, n, nm, g0, KG, szg, KB, GH, NG)
-    if ROUND:
-        g = g.to(tl.bfloat16).to(tl.float32)
-        u = u.to(tl.bfloat16).to(tl.float32)
-    if LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    tl.store(a_ptr + p * sa + n, tl.where(held, g * tl.sigmoid(g) * u, 0.0), mask=nm)
+    tl.store(a_ptr + p * sa + n, _swiglu(g, u, held, limit, LIMIT, ROUND), mask=nm)
 
 
 @triton.jit

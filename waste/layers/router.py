@@ -15,6 +15,8 @@ def softmax_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_pr
     """Qwen3-MoE / Mixtral: softmax over all experts, top-k, optional renormalisation."""
     if router_cpu.usable(x, weight):         # one decode row on the CPU: one numba call instead of five operators
         return router_cpu.softmax_topk_row(x, weight, top_k, norm_topk_prob)
+    if decode_triton.router_row_usable(x, weight):      # a GPU decode row: logits and tail in one launch
+        return decode_triton.router_row(x, weight, top_k, norm_topk_prob)
     logits = F.linear(_f32(x), _f32(weight))
     if x.shape[0] == 1 and decode_triton.usable(logits):    # a GPU decode row: softmax, top-k, renorm in one launch
         return decode_triton.softmax_topk_tail(logits, top_k, norm_topk_prob)
