@@ -198,6 +198,10 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
 
     numba_spread, ran = moe._spread_numba, []
     monkeypatch.setattr(moe, "_spread_numba", lambda *a: (ran.append(1), numba_spread(*a))[1])
+    from waste.layers.moe_cpu import NumbaPairs
+
+    shared_into, shared = NumbaPairs.into_shared, []    # q4: a lone pair's blocks on both threads (§3o)
+    monkeypatch.setattr(NumbaPairs, "into_shared", lambda *a: (shared.append(1), shared_into(*a))[1])
     # each read a little slower than a group's compute, so a layer's reads land over time whatever else the machine
     # runs (on a loaded box the one reader could finish a prefill layer's reads before its first group was taken)
     from waste.runtime.cache import ExpertCache
@@ -209,8 +213,10 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
         for budget, compute in ((ws, 1), (ws, 2), (3 * ws, 2)):
             torch.set_num_threads(compute)   # 2: a decode row's pairs dealt between two threads (layers/moe.py spread)
             ran.clear()
+            shared.clear()
             logits, calls = _groups_run(c, ids, 8, budget=budget, preload=False, threads=1)
             assert _groups_run.spread == (compute > 1) and bool(ran) == (compute > 1)   # numba's pairs, one buffer
+            assert bool(shared) == (compute > 1 and experts == "q4")
             assert torch.equal(logits, ref)
             assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
             assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
