@@ -104,13 +104,9 @@ def test_bf16_decode_rows_take_the_float32_kernels_rounded():
         assert y.dtype == torch.bfloat16 and torch.equal(y, linear(x.float(), w).bfloat16())
 
 
-def test_q4_expert_pairs_are_each_pairs_int8_product_at_any_thread_count(threads):
-    """layers/cpu_kernels.py pairs_q4: gate and up take the row rounded to int8 once, down its pair's own SwiGLU
-    output rounded alike; a pair's bits do not depend on the thread count or the other pairs of the call."""
-    from waste.layers import cpu_kernels as ck
-
-    fmt, g = get_format("q4"), torch.Generator().manual_seed(1)
-    h, inter, E = 256, 192, 4
+def _q4_records(fmt, g, h, inter, E):
+    """E random q4 expert records as the pair kernels read them: (shapes, packed parts, the flat part arrays, their
+    (offset, stride) table, each matrix's group count)."""
     shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
     packed = {m: [fmt.pack(torch.randn(shp, generator=g) / shp[1] ** 0.5) for _ in range(E)] for m, shp in shapes.items()}
     arrays, os = [], []
@@ -120,8 +116,18 @@ def test_q4_expert_pairs_are_each_pairs_int8_product_at_any_thread_count(threads
             a = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
             arrays.append(a.reshape(-1))
             os.append((0, t[0].numel()))
-    os = np.array(os, np.int64)
     groups = np.array([packed[m][0]["sz"].shape[0] for m in shapes], np.int64)
+    return shapes, packed, arrays, np.array(os, np.int64), groups
+
+
+def test_q4_expert_pairs_are_each_pairs_int8_product_at_any_thread_count(threads):
+    """layers/cpu_kernels.py pairs_q4: gate and up take the row rounded to int8 once, down its pair's own SwiGLU
+    output rounded alike; a pair's bits do not depend on the thread count or the other pairs of the call."""
+    from waste.layers import cpu_kernels as ck
+
+    fmt, g = get_format("q4"), torch.Generator().manual_seed(1)
+    h, inter, E = 256, 192, 4
+    shapes, packed, arrays, os, groups = _q4_records(fmt, g, h, inter, E)
     x = torch.randn(1, h, generator=g)
 
     def call(slots):
@@ -155,17 +161,7 @@ def test_a_q4_pair_shared_block_by_block_with_a_helper_is_the_pair_of_one_thread
 
     fmt, g = get_format("q4"), torch.Generator().manual_seed(2)
     E = 3
-    shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
-    packed = {m: [fmt.pack(torch.randn(shp, generator=g) / shp[1] ** 0.5) for _ in range(E)] for m, shp in shapes.items()}
-    arrays, os = [], []
-    for m in shapes:
-        for key in ("q", "sz"):
-            t = torch.stack([p[key] for p in packed[m]]).contiguous()
-            a = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
-            arrays.append(a.reshape(-1))
-            os.append((0, t[0].numel()))
-    os = np.array(os, np.int64)
-    groups = np.array([packed[m][0]["sz"].shape[0] for m in shapes], np.int64)
+    _, _, arrays, os, groups = _q4_records(fmt, g, h, inter, E)
     x = torch.randn(1, h, generator=g)
     lim = np.float32(limit)
     torch.set_num_threads(1)
