@@ -44,4 +44,4 @@ for owner, name, label in ((attention, "linear", "attention's q/k/v and o rows (
 streaming_timeline.main()
 for label, v in took.items():
     v = v[len(v) // 3:]
-    print(f"{label}: {len(v)} calls, median {1e3 * statistics.median(v):.3f} ms")
+    print(f"{label}: {len(v)} calls, median {1e3 * statistics.median(v):.3f} ms, mean {1e3 * statistics.fmean(v):.3f}")

@@ -89,6 +89,10 @@ def main():
             pieces[k].append(v)
     print("per layer, medians (ms): " + ", ".join(f"{k} {1e3 * statistics.median(v):.2f}" for k, v in pieces.items()
                                                    if v) + f" ({len(pieces['attention'])} layers)")
+    # the means are what the step pays (a few slow layers, a reader or the pool taking the core, move them and not
+    # the medians: docs/LEARNED.md §3n)
+    print("per layer, means (ms): " + ", ".join(f"{k} {1e3 * statistics.fmean(v):.2f}" for k, v in pieces.items()
+                                                 if v) + f"; idle {1e3 * (t1 - t0 - busy) / a.n:.1f} ms a token")
 
 
 if __name__ == "__main__":

@@ -104,13 +104,9 @@ def test_bf16_decode_rows_take_the_float32_kernels_rounded():
         assert y.dtype == torch.bfloat16 and torch.equal(y, linear(x.float(), w).bfloat16())
 
 
-def test_q4_expert_pairs_are_each_pairs_int8_product_at_any_thread_count(threads):
-    """layers/cpu_kernels.py pairs_q4: gate and up take the row rounded to int8 once, down its pair's own SwiGLU
-    output rounded alike; a pair's bits do not depend on the thread count or the other pairs of the call."""
-    from waste.layers import cpu_kernels as ck
-
-    fmt, g = get_format("q4"), torch.Generator().manual_seed(1)
-    h, inter, E = 256, 192, 4
+def _q4_records(fmt, g, h, inter, E):
+    """E random q4 expert records as the pair kernels read them: (shapes, packed parts, the flat part arrays, their
+    (offset, stride) table, each matrix's group count)."""
     shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
     packed = {m: [fmt.pack(torch.randn(shp, generator=g) / shp[1] ** 0.5) for _ in range(E)] for m, shp in shapes.items()}
     arrays, os = [], []
@@ -120,8 +116,18 @@ def test_q4_expert_pairs_are_each_pairs_int8_product_at_any_thread_count(threads
             a = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
             arrays.append(a.reshape(-1))
             os.append((0, t[0].numel()))
-    os = np.array(os, np.int64)
     groups = np.array([packed[m][0]["sz"].shape[0] for m in shapes], np.int64)
+    return shapes, packed, arrays, np.array(os, np.int64), groups
+
+
+def test_q4_expert_pairs_are_each_pairs_int8_product_at_any_thread_count(threads):
+    """layers/cpu_kernels.py pairs_q4: gate and up take the row rounded to int8 once, down its pair's own SwiGLU
+    output rounded alike; a pair's bits do not depend on the thread count or the other pairs of the call."""
+    from waste.layers import cpu_kernels as ck
+
+    fmt, g = get_format("q4"), torch.Generator().manual_seed(1)
+    h, inter, E = 256, 192, 4
+    shapes, packed, arrays, os, groups = _q4_records(fmt, g, h, inter, E)
     x = torch.randn(1, h, generator=g)
 
     def call(slots):
@@ -141,6 +147,47 @@ def test_q4_expert_pairs_are_each_pairs_int8_product_at_any_thread_count(threads
 
         ref = mv("down", (F.silu(mv("gate", x)) * mv("up", x)).float())
         assert ((both[i].double() - ref[0]).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("h,inter,limit", [(256, 192, -1.0), (512, 128, 7.0), (64, 32, -1.0), (128, 96, 7.0)])
+def test_a_q4_pair_shared_block_by_block_with_a_helper_is_the_pair_of_one_thread(h, inter, limit):
+    """layers/cpu_kernels.py pair_q4_shared (a streamed layer's lone pair on both threads, moe_cpu.into_shared): its
+    64-row blocks taken from one queue by the caller and a helper thread, on time, late (the queue spent) or never,
+    give pairs_q4's bits for that pair (full 64-row blocks by int8, and tail blocks by the float loop)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from waste.layers import cpu_kernels as ck
+
+    fmt, g = get_format("q4"), torch.Generator().manual_seed(2)
+    E = 3
+    _, _, arrays, os, groups = _q4_records(fmt, g, h, inter, E)
+    x = torch.randn(1, h, generator=g)
+    lim = np.float32(limit)
+    torch.set_num_threads(1)
+    pool = ThreadPoolExecutor(1)
+    try:
+        for e in range(E):
+            s = torch.tensor([[e]], dtype=torch.int64)
+            ref = np.zeros((1, h), np.float32)
+            ck.pairs_q4(x.data_ptr(), h, s.data_ptr(), 1, *arrays, os, groups, inter, lim, ref)
+            for helper in ("on time", "late", "never"):
+                out, gu, q = np.zeros((1, h), np.float32), np.empty((2, inter), np.float32), np.zeros(2, np.int64)
+                args = (x.data_ptr(), h, e, *arrays, os, groups, inter, lim, out[0].ctypes.data, gu[0].ctypes.data,
+                        gu[1].ctypes.data, q.ctypes.data)
+                go = threading.Event()
+                if helper != "never":
+                    f = pool.submit(lambda: (go.wait(), ck.pair_q4_shared(*args, True)))
+                if helper == "on time":
+                    go.set()
+                ck.pair_q4_shared(*args, False)
+                go.set()
+                if helper != "never":
+                    f.result()
+                assert q[1] == -(-inter // 64) - (-h // 64), helper
+                assert np.array_equal(out, ref), (e, helper)
+    finally:
+        pool.shutdown()
 
 
 def test_rms_rows_match_torch_and_a_rows_bits_do_not_depend_on_the_batch():

@@ -198,6 +198,10 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
 
     numba_spread, ran = moe._spread_numba, []
     monkeypatch.setattr(moe, "_spread_numba", lambda *a: (ran.append(1), numba_spread(*a))[1])
+    from waste.layers.moe_cpu import NumbaPairs
+
+    shared_into, shared = NumbaPairs.into_shared, []    # q4: a lone pair's blocks on both threads (§3o)
+    monkeypatch.setattr(NumbaPairs, "into_shared", lambda *a: (shared.append(1), shared_into(*a))[1])
     # each read a little slower than a group's compute, so a layer's reads land over time whatever else the machine
     # runs (on a loaded box the one reader could finish a prefill layer's reads before its first group was taken)
     from waste.runtime.cache import ExpertCache
@@ -209,8 +213,10 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
         for budget, compute in ((ws, 1), (ws, 2), (3 * ws, 2)):
             torch.set_num_threads(compute)   # 2: a decode row's pairs dealt between two threads (layers/moe.py spread)
             ran.clear()
+            shared.clear()
             logits, calls = _groups_run(c, ids, 8, budget=budget, preload=False, threads=1)
             assert _groups_run.spread == (compute > 1) and bool(ran) == (compute > 1)   # numba's pairs, one buffer
+            assert bool(shared) == (compute > 1 and experts == "q4")
             assert torch.equal(logits, ref)
             assert any(t == 1 and g > 1 for t, g in calls), calls      # decode steps really computed in groups
             assert any(t > 1 and g > 1 for t, g in calls), calls       # and the prefill
@@ -405,3 +411,30 @@ def test_q8_rows_shared_with_the_expert_pool_in_a_streamed_decode_are_bit_identi
     assert out["shared"][1:] == (True, True) and out["one"][1:] == (False, False)
     assert out["resident"][1:] == (False, False)
     assert torch.equal(out["shared"][0], out["one"][0]) and torch.equal(out["shared"][0], out["resident"][0])
+
+
+def test_a_damaged_record_read_on_demand_stops_its_layers_call_and_is_read_again(releases, tmp_path):
+    """A demand read's checksum runs after its record lands, while the layer computes on it (runtime/cache.py,
+    docs/LEARNED.md §3o): the layer's call still raises before it ends, the record is forgotten (asked for again,
+    it is read again and fails again), and a call of another layer is not charged with the old failure."""
+    import shutil
+
+    from waste.errors import DamagedContainer
+
+    dst = tmp_path / "copy.waste"
+    shutil.copytree(releases["qwen3_moe"][2], dst)
+    with waste.load(dst, dtype="float32", budget="1G", preload=False) as probe:
+        l0, l1 = sorted(probe.experts.banks)[:2]
+        path, rec = probe.experts.banks[l1].path, probe.experts.record_bytes
+    data = bytearray(open(path, "rb").read())
+    data[len(data) - 8 * rec + 3 * rec + 100] ^= 0x10          # expert 3 of layer l1, inside its payload
+    open(path, "wb").write(bytes(data))
+    with waste.load(dst, dtype="float32", budget=16 * rec, preload=False) as eng:
+        store = eng.experts
+        for _ in range(2):
+            with pytest.raises(DamagedContainer, match=f"expert 3 of layer {l1}"):
+                for _ in store.resident(l1, [torch.tensor([[2, 3]])]):
+                    pass
+            assert (l1, 3) not in store.slot_of and (l1, 2) in store.slot_of
+        groups = list(store.resident(l0, [torch.tensor([[0, 3]])]))   # another layer: nothing raised
+        assert (l0, 3) in store.slot_of and groups

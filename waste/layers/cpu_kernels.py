@@ -15,10 +15,10 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic, overload
 
-from ..numba_ptr import at
+from ..numba_ptr import at, fetch_add
 from ..quant.int4pack import BLOCK
 from ..quant.q4_int8 import quantize_row
-from ..quant.q4_numba import bf16, mv_q4_i8
+from ..quant.q4_numba import bf16, mv_q4_block, mv_q4_i8
 
 f32 = np.float32
 
@@ -178,6 +178,52 @@ def pairs_q4(x_p, h, s_p, k, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, o
     for p in numba.prange(slots.shape[0]):
         if slots[p] >= 0:
             pair_q4(slots[p], x, xq, d, d8sq, sx, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, out[p])
+
+
+@numba.njit(fastmath=True, cache=True, nogil=True)
+def pair_q4_shared(x_p, h, s, gq, gz, uq, uz, dq, dz, os, groups, inter, limit, y_p, g_p, u_p, queue_p, helper):
+    """pair_q4 of slot s into y (float32 [h] at y_p), its 64-row blocks taken from a queue ([next, done] int64 at
+    queue_p) by every thread that calls it: first the gate and up blocks (into g, u float32 [inter] at g_p, u_p,
+    shared), then, once every one of them is done, the down blocks, each thread that takes one having made its own
+    copy of the activation and its int8 rounding. The caller (helper False) returns once every block is done, a
+    helper as soon as none is left to take (one that wakes late finds the queue spent). A layer's last record is
+    often a lone pair on the step's critical path (docs/LEARNED.md §3o). Each block is mv_q4_i8's (mv_q4_block),
+    the activation and rounding pair_q4's, so the bits are pair_q4's on any threads."""
+    x, y = at(x_p, (h,), np.float32), at(y_p, (h,), np.float32)
+    g, u = at(g_p, (inter,), np.float32), at(u_p, (inter,), np.float32)
+    nb1, nb2 = (inter + BLOCK - 1) // BLOCK, (h + BLOCK - 1) // BLOCK
+    n = nb1 + nb2
+    if helper and fetch_add(queue_p, 0, 0) >= n:
+        return
+    G, Gu, Gd = groups[0], groups[1], groups[2]
+    xq, d, d8sq, sx = np.empty(h, np.int16), np.empty(G, np.float32), np.empty(G, np.float32), np.empty(G, np.float32)
+    quantize_row(x, G, xq, d, d8sq, sx)
+    xu, du, eu, tu = xq, d, d8sq, sx
+    if Gu != G:
+        xu, du, eu, tu = np.empty(h, np.int16), np.empty(Gu, np.float32), np.empty(Gu, np.float32), np.empty(Gu, np.float32)
+        quantize_row(x, Gu, xu, du, eu, tu)
+    a, acc = np.empty(inter, np.float32), np.empty(BLOCK, np.float32)
+    gx, dd, de, dt = np.empty(inter, np.int16), np.empty(Gd, np.float32), np.empty(Gd, np.float32), np.empty(Gd, np.float32)
+    ready = False
+    while True:
+        c = fetch_add(queue_p, 0, 1)
+        if c >= n:
+            break
+        if c < nb1:
+            mv_q4_block(gq, os[0, 0] + s * os[0, 1], gz, os[1, 0] + s * os[1, 1], G, x, xq, d, d8sq, sx, g, acc, c)
+            mv_q4_block(uq, os[2, 0] + s * os[2, 1], uz, os[3, 0] + s * os[3, 1], Gu, x, xu, du, eu, tu, u, acc, c)
+        else:
+            if not ready:
+                while fetch_add(queue_p, 1, 0) < nb1:     # every gate and up block done (by whichever thread)
+                    pass
+                for i in range(inter):
+                    a[i] = act(g[i], u[i], limit)
+                quantize_row(a, Gd, gx, dd, de, dt)
+                ready = True
+            mv_q4_block(dq, os[4, 0] + s * os[4, 1], dz, os[5, 0] + s * os[5, 1], Gd, a, gx, dd, de, dt, y, acc, c - nb1)
+        fetch_add(queue_p, 1, 1)
+    while not helper and fetch_add(queue_p, 1, 0) < n:
+        pass
 
 
 @numba.njit(fastmath=True, cache=True)

@@ -363,8 +363,9 @@ def spread(x: torch.Tensor, groups, bank: Bank, kernel: Kernel, pool) -> torch.T
 def _spread_numba(x: torch.Tensor, groups, nb, pool) -> torch.Tensor:
     """spread through numba's row kernel without torch operators between the reads (each costs ~5-10 us, and those
     after a layer's last read are on the step's critical path, docs/LEARNED.md §3n): both threads write their pairs
-    into one float32 buffer; a group's first pair is this thread's (a lone pair, a layer's last, waits for no wake-up),
-    every other one of the rest the pool's. The same kernel on the same pairs: the bits of spread."""
+    into one float32 buffer; a group's first pair is this thread's, every other one of the rest the pool's. A lone
+    pair (a layer's last, often) is shared block by block where the kernel can (q4: `NumbaPairs.into_shared`), this
+    thread computing all of it if the pool's thread is late. The same loops on the same pairs: the bits of spread."""
     x32 = x.float() if x.dtype != torch.float32 else x
     x32 = x32 if x32.is_contiguous() else x32.contiguous()
     out, theirs = None, []
@@ -379,7 +380,9 @@ def _spread_numba(x: torch.Tensor, groups, nb, pool) -> torch.Tensor:
             (give if j % 2 else mine)[p] = row[p]
         if len(valid) > 1:
             theirs.append(pool.submit(nb.into, x32, give, out))
-        if valid:
+        if len(valid) == 1 and nb.shared is not None:   # a lone pair (often a layer's last): its blocks on both
+            nb.into_shared(x32, row[valid[0]], valid[0], out, pool)
+        elif valid:
             nb.into(x32, mine, out)
     for f in theirs:
         f.result()

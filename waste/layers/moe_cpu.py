@@ -25,7 +25,8 @@ import torch
 def _kernels():
     from . import cpu_kernels as k
 
-    return {"weighted_row": k.weighted_row, "weighted_row_bf16": k.weighted_row_bf16, "bf16": k.pairs_bf16, "f32": k.pairs_f32, "q8": k.pairs_q8, "q4": k.pairs_q4}
+    return {"weighted_row": k.weighted_row, "weighted_row_bf16": k.weighted_row_bf16, "bf16": k.pairs_bf16, "f32": k.pairs_f32, "q8": k.pairs_q8, "q4": k.pairs_q4,
+            "q4_shared": k.pair_q4_shared}
 
 
 def _flat(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
@@ -62,6 +63,20 @@ class NumbaPairs:
         else:
             groups = np.array([parts[m]["sz"].shape[1] for m in ("gate", "up", "down")], np.int64)
             self.fn, self.args = _kernels()["q4"], (*arrays, os, groups, inter, limit)
+            self.shared = _kernels()["q4_shared"]
+            self._gu = np.empty((2, inter), np.float32)    # a shared pair's gate and up rows (one pair at a time)
+
+    shared = None         # q4: pair_q4_shared (a pair's blocks over threads), else None
+
+    def into_shared(self, x: torch.Tensor, slot: int, p: int, out: np.ndarray, pool) -> None:
+        """One pair (slot) into row p of out, its blocks shared with one thread of pool through a queue (pair_q4_shared:
+        the bits of `into`); this thread returns once every block is done. One shared pair at a time per bank."""
+        q = np.zeros(2, np.int64)       # a fresh queue a call: a helper that wakes after it finds it spent
+        gu = self._gu
+        args = (x.data_ptr(), x.shape[-1], slot, *self.args, out[p].ctypes.data, gu[0].ctypes.data,
+                gu[1].ctypes.data, q.ctypes.data)
+        pool.submit(self.shared, *args, True)._keep = (x, out, q)
+        self.shared(*args, False)
 
     def into(self, x: torch.Tensor, slots: np.ndarray, out: np.ndarray) -> None:
         """The pairs of slots (int64 [k], -1: not computed) of x (float32 [1, h], contiguous) into their rows of out

@@ -47,6 +47,11 @@ def _at(builder, base, index, t):
     return builder.bitcast(builder.gep(base, [index]), t.as_pointer())
 
 
+# each 16 k of a block (512 bytes of nibbles) prefetch the lines PF_BYTES on (blocks are contiguous, so near a block's
+# end that is the next block's start); 0: none. A prefetch changes no arithmetic: the bits are the same
+PF_BYTES = 2048
+
+
 @intrinsic
 def block_out(typingctx, q_a, sz_a, N, xq, d, d8sq, sx, y, y0):
     """y[y0:y0 + 64] = one full block's 64 rows of W x from x rounded to int8 (xq int16 [K]; d, d8sq, sx float32
@@ -75,6 +80,13 @@ def block_out(typingctx, q_a, sz_a, N, xq, d, d8sq, sx, y, y0):
             k0 = builder.mul(g, gs)
             with cgutils.for_range(builder, builder.sdiv(gs, ir.Constant(i64, KSTEP))) as cl:
                 kc = builder.add(k0, builder.mul(cl.index, ir.Constant(i64, KSTEP)))
+                if PF_BYTES:          # a prefetch past the matrix's end cannot fault
+                    pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [
+                        _I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+                    for line in range(0, KSTEP * 32, 64):
+                        at_pf = builder.add(builder.mul(kc, ir.Constant(i64, 32)), ir.Constant(i64, PF_BYTES + line))
+                        builder.call(pf, [builder.gep(qb, [at_pf]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                          ir.Constant(_I32, 1)])
                 lo = hi = ir.Constant(_V16, None)
                 for k in range(KSTEP):
                     kk = builder.add(kc, ir.Constant(i64, k))

@@ -106,6 +106,20 @@ def mv_q4_i8(q, o, sz, zo, G, x, xq, d, d8sq, sx, y, acc):
         q4_block(q, o, szs, G, N, K, b, x, y, acc)
 
 
+@numba.njit(fastmath=True, inline="always")
+def mv_q4_block(q, o, sz, zo, G, x, xq, d, d8sq, sx, y, acc, b):
+    """Block b (its 64 rows, or a tail block's) of mv_q4_i8's W x into y [N]: the same block_out or float loop on the
+    same operands, so a matrix computed block by block on any threads has mv_q4_i8's bits (layers/cpu_kernels.py
+    pair_q4_shared; tests/test_cpu_kernels.py holds them equal)."""
+    N, K = y.shape[0], x.shape[0]
+    szs = sz[zo:zo + G * N * 2]
+    if b < i8_blocks(N, K, G):
+        qa, sa = np.int64(q.ctypes.data) + o, np.int64(szs.ctypes.data)
+        block_out(qa + b * 32 * K, sa + b * BLOCK * 4, N, xq, d, d8sq, sx, y, b * BLOCK)
+    else:
+        q4_block(q, o, szs, G, N, K, b, x, y, acc)
+
+
 CHUNK = 8                               # blocks per parallel task of a trunk row: its scratch is made once a task
 
 
