@@ -116,7 +116,9 @@ def main() -> None:
     mod = q4_int8_rows if a.rows == "i8" else q4_rows
     q4_int8_rows.ENABLED = a.rows == "i8"
 
-    def gate_up(tile, rows=mod):
+    def gate_up(tile, rows=mod):        # (q4_int8_rows' returns the activation and its int8 rows: the first timed)
+        if rows is q4_int8_rows:
+            return lambda sl: rows.gate_up_act(x, a.k, sl.reshape(-1), bank, moe_triton._delta, tile)[0]
         return lambda sl: rows.gate_up_act(x, a.k, sl.reshape(-1), bank, moe_triton._delta, tile)
 
     a_words = q4_int8_rows.quantize(a_fixed, 768 // bank.parts["down"]["sz"].shape[1])
