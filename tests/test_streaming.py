@@ -411,30 +411,3 @@ def test_q8_rows_shared_with_the_expert_pool_in_a_streamed_decode_are_bit_identi
     assert out["shared"][1:] == (True, True) and out["one"][1:] == (False, False)
     assert out["resident"][1:] == (False, False)
     assert torch.equal(out["shared"][0], out["one"][0]) and torch.equal(out["shared"][0], out["resident"][0])
-
-
-def test_a_damaged_record_read_on_demand_stops_its_layers_call_and_is_read_again(releases, tmp_path):
-    """A demand read's checksum runs after its record lands, while the layer computes on it (runtime/cache.py,
-    docs/LEARNED.md §3o): the layer's call still raises before it ends, the record is forgotten (asked for again,
-    it is read again and fails again), and a call of another layer is not charged with the old failure."""
-    import shutil
-
-    from waste.errors import DamagedContainer
-
-    dst = tmp_path / "copy.waste"
-    shutil.copytree(releases["qwen3_moe"][2], dst)
-    with waste.load(dst, dtype="float32", budget="1G", preload=False) as probe:
-        l0, l1 = sorted(probe.experts.banks)[:2]
-        path, rec = probe.experts.banks[l1].path, probe.experts.record_bytes
-    data = bytearray(open(path, "rb").read())
-    data[len(data) - 8 * rec + 3 * rec + 100] ^= 0x10          # expert 3 of layer l1, inside its payload
-    open(path, "wb").write(bytes(data))
-    with waste.load(dst, dtype="float32", budget=16 * rec, preload=False) as eng:
-        store = eng.experts
-        for _ in range(2):
-            with pytest.raises(DamagedContainer, match=f"expert 3 of layer {l1}"):
-                for _ in store.resident(l1, [torch.tensor([[2, 3]])]):
-                    pass
-            assert (l1, 3) not in store.slot_of and (l1, 2) in store.slot_of
-        groups = list(store.resident(l0, [torch.tensor([[0, 3]])]))   # another layer: nothing raised
-        assert (l0, 3) in store.slot_of and groups

@@ -116,7 +116,6 @@ class ExpertCache:
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="waste-read")
         self.lock = threading.Lock()
         self.loading: dict[tuple[int, int], Future] = {}
-        self._checks: list[tuple[tuple[int, int], Future]] = []   # demand reads whose checksum is still running
         self.stats = ExpertStats()
         self._flight_lock, self._in_flight, self._busy_since = threading.Lock(), 0, 0.0
         self.fill_bytes = 0
@@ -182,11 +181,7 @@ class ExpertCache:
         """Records copied up to the VRAM tier on demand (prefetched ones apart: tier.prefetches)."""
         return self.tier.copies if self.tier is not None else 0
 
-    def _read(self, key, slot, landed: Future | None = None) -> float:
-        """Read a record into its slot. landed (a demand read): set once the bytes are in the slot, before their
-        checksum, which then runs while the layer computes on them (`resident` joins it before the layer's call
-        ends: a damaged record still stops the step, docs/LEARNED.md §3o); its time stays in the disk's busy time,
-        as when it ran before the landing."""
+    def _read(self, key, slot) -> float:
         if self.tier is not None:      # the slot's old record may still be on its way up
             self.tier.sync()
         with self._flight_lock:        # the disk's busy time: from the first read in flight to the last one landing
@@ -194,28 +189,18 @@ class ExpertCache:
                 self._busy_since = time.perf_counter()
             self._in_flight += 1
         try:
-            reader = self.readers[key[0]]
-            dt = reader.read(key[1], self.slot_tensor(slot), self.verify and landed is None)
-            if landed is not None:
-                self._landed(slot)
-                landed.set_result((dt, True))
-                if self.verify:
-                    reader.bank.check(key[1], memoryview(self.slot_tensor(slot).numpy()))
+            dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
         finally:
             with self._flight_lock:
                 self._in_flight -= 1
                 if not self._in_flight:
                     self.stats.disk_busy_seconds += time.perf_counter() - self._busy_since
-        if landed is None:
-            self._landed(slot)
-        return dt
-
-    def _landed(self, slot: int) -> None:
         if self.repack and self.device.type == "cpu":   # this torch's CPU kernel wants another layout (q4 off AVX-512)
             prepare_record(self._slot_parts(slot), self.fmt, self.shapes)
         if self.dev_slab is not None:
             with self.lock:
                 self._dirty.add(slot)
+        return dt
 
     def _flush(self) -> None:
         """Copy the slots read since the last layer up to the device's mirror."""
@@ -294,8 +279,6 @@ class ExpertCache:
         is made resident in rounds of at most n_slots experts, each streamed the same way."""
         if self.damage is not None:
             raise self.damage
-        if self._checks:          # a call left before its end (its caller stopped early): its checksums first
-            self._join_checks()
         dev_map = self.device_map()
         if dev_map is not None and len(idxs) == 1 and idxs[0].shape[0] == 1 and idxs[0].device.type != "cpu":
             # every record is in the GPU's slab and none is ever evicted: the slots are looked up on the GPU, no
@@ -353,8 +336,6 @@ class ExpertCache:
                 lut = np.full(row.shape, -1, np.int64)
                 lut[landed] = row[landed]
                 yield self._up([torch.from_numpy(lut[a]) for a in ids]), False
-        if self._checks:                  # every record this call read is checked before its layer's output is used
-            self._join_checks()
         if self._tier_next is not None:   # the layer's kernels are queued: the next layer's guesses go up beside them
             self.tier.prefetch(self._tier_next)
             self._tier_next = None
@@ -397,8 +378,7 @@ class ExpertCache:
                 key = (layer, e)
                 self._assign(key, s)
                 self.policy.reset(s)
-                waits[e] = Future()      # set once the bytes are in: the checksum runs while the layer computes
-                self._checks.append((key, self.pool.submit(self._timed_read, key, s, waits[e])))
+                waits[e] = self.pool.submit(self._timed_read, key, s)
                 self.loading[key] = waits[e]
             for e in experts:
                 key = (layer, e)
@@ -453,30 +433,8 @@ class ExpertCache:
             self.stats.prefetch_bytes += self.record_bytes
         return dt, False
 
-    def _timed_read(self, key, slot, landed: Future | None = None) -> tuple[float, bool]:
-        if landed is None:
-            return self._read(key, slot), True     # (seconds, a read of ours: counted when it lands)
-        try:                                        # landed holds (seconds, True); this future the checksum's end
-            return self._read(key, slot, landed), True
-        except BaseException as exc:
-            if not landed.done():                   # the read itself failed: the layer waiting on it learns so
-                landed.set_exception(exc)
-            raise
-
-    def _join_checks(self) -> None:
-        """Wait for the checksums of the records this store's last calls read (they run after the records land);
-        a damaged one is forgotten (read again if asked for) and its error raised."""
-        checks, self._checks = self._checks, []
-        for key, f in checks:
-            try:
-                f.result()
-            except BaseException:
-                with self.lock:
-                    if key in self.slot_of:
-                        self._forget(key)
-                for _, g in checks:          # the others still land and check on the readers: wait for them
-                    g.exception()
-                raise
+    def _timed_read(self, key, slot) -> tuple[float, bool]:
+        return self._read(key, slot), True     # (seconds, a read of ours: counted when it lands)
 
     def _landing(self, layer: int, experts: list[int], waits: dict[int, Future]):
         """Yield the experts of `experts` in groups as they become resident: those already resident at once,
@@ -497,7 +455,6 @@ class ExpertCache:
                 except BaseException:
                     with self.lock:
                         self._forget((layer, e))
-                    self._checks = [c for c in self._checks if c[0] != (layer, e)]   # raised here, not again
                     raise
                 if isinstance(r, tuple) and r[1]:   # our read (fill and prefetch reads are counted apart)
                     with self.lock:
