@@ -295,7 +295,7 @@ def routed_groups(xs: list[torch.Tensor], weights: list[torch.Tensor], groups, b
                 # every pair in this one group: summed by the kernel itself (q4 decode rows: in the down launch);
                 # the store's call is finished (it yields nothing more) before the result is returned
                 out = [wp(x, s, w, bank, total=x.dtype) for x, s, w in zip(xs, slots, weights)]
-                for _ in it:
+                if next(it, None) is not None:
                     raise RuntimeError("the expert store yielded a group after a complete one")
                 return out
             part = [wp(x, s, w, bank) for x, s, w in zip(xs, slots, weights)]
