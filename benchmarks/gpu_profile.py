@@ -10,7 +10,9 @@ moe_triton.weighted_pairs (q4: layers/q4_rows.py over the GPU's row layout, SwiG
 the routing weight by the down launch, a decode row's x and activation rounded to int8 by q4_int8_rows, whose down
 launch also sums a row's pairs; the trunk's decode matvecs by quant/gemv_triton, the router by
 decode_triton.router_row); f32q4 = fused with q4_rows' float32 rows (q4_int8_rows off); cublas = fused with cuBLAS's
-matvecs and router (gemv_triton and router_row off); kdaeager = fused with KDA layers
+matvecs and router (gemv_triton and router_row off); jit = fused with every triton launch through triton's JIT
+(waste/triton_launch.py's fast launches off); nopdl = fused with every launch independent (triton_launch.PDL off:
+no programmatic dependent launch); kdaeager = fused with KDA layers
 eager (graphs.py's `layer` off); torch = none of them (decode_triton off,
 the experts through moe_triton.pairs and torch's activation and weighted sum). Then, per arm, torch.profiler with CUDA
 activities over --profile steps, replayed (whole-step graph) and eager: kernels per step and per layer, kernel time
@@ -36,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from expert_parallel_gpu import hbm_rate, token_bytes  # noqa: E402
 from gpu_decode import launch_us  # noqa: E402
+from waste import triton_launch  # noqa: E402
 from waste.engine import Engine  # noqa: E402
 from waste.layers import decode_triton, moe_triton, q4_int8_rows, q4_rows  # noqa: E402
 from waste.quant import gemv_triton  # noqa: E402
@@ -68,6 +71,8 @@ def graph_launch_us(n: int = 200) -> float:
 
 def set_arm(m, arm: str) -> None:
     decode_triton.ENABLED = arm != "torch"
+    triton_launch.ENABLED = arm != "jit"
+    triton_launch.PDL = arm != "nopdl"
     q4_int8_rows.ENABLED = arm not in ("torch", "f32q4")
     gemv_triton.ENABLED = decode_triton.ROUTER_ROW = arm not in ("torch", "cublas")
     moe_triton.pairs.weighted_pairs = None if arm == "torch" else moe_triton.weighted_pairs

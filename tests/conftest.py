@@ -13,6 +13,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import waste  # noqa: E402,F401  (sets MKL's reproducible mode before any test's first matmul: waste/__init__.py)
+from waste import triton_launch  # noqa: E402
+
+# on a GPU every fast launch also asks triton's JIT which kernel it would have run (a wrong key fails the test)
+triton_launch.CHECK = True
 
 
 @pytest.fixture(scope="session")

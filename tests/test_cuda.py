@@ -89,6 +89,35 @@ def test_decode_graphs_match_eager(container, fmt, dtype):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q4"])
+@pytest.mark.parametrize("whole", [False, True])
+def test_dependent_and_fast_launches_give_the_jits_bits(container, fmt, whole):
+    """The decode kernels launched dependent on the one before (triton_launch.pdl: their programs start early and
+    read weights ahead of the wait) and through the fast launch give the bits of plain launches through triton's
+    JIT, eager and in a whole-step graph: the same greedy text and the same decode logits."""
+    from waste import triton_launch
+    ids = list(range(3, 20))
+    res = {}
+    for fast in (False, True):
+        triton_launch.PDL = triton_launch.ENABLED = fast
+        try:
+            with waste.load(container[fmt], dtype="bfloat16", device="cuda") as eng:
+                eng.experts.wait_fill()
+                m = eng.model
+                if not whole:
+                    m.graphs = None
+                toks = eng.generate(ids, max_tokens=12).token_ids
+                st = m.new_state()
+                m.forward(torch.tensor(ids), st, 0)
+                lasts = [m.forward(torch.tensor([t]), st, len(ids) + j, last_only=True)
+                         for j, t in enumerate(toks[:6])]
+                res[fast] = (toks, torch.cat(lasts))
+        finally:
+            triton_launch.PDL = triton_launch.ENABLED = True
+    assert res[True][0] == res[False][0]
+    assert torch.equal(res[True][1], res[False][1])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q4"])
 def test_a_vram_tier_below_the_host_budget_gives_the_same_bits(container, fmt):
     """--vram of three layers' experts over the whole bank in pinned host memory: records copied up and evicted
     as layers need them, and the same logits, bit for bit, and text as the GPU slab that holds every record."""

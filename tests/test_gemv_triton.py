@@ -46,3 +46,22 @@ def test_linear_takes_it_for_a_cuda_row_and_matches_cublas():
     finally:
         gemv_triton.ENABLED = True
     assert ((y.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -6 + 1e-2).all()
+
+
+def test_fast_launches_follow_alignment_and_give_the_jits_bits():
+    """Rows of one matrix at 2-byte offsets (x and w views off 16-byte alignment: another specialization, so
+    another key) give the bits of the JIT's launch of the same call; under CHECK (tests/conftest.py) each fast
+    launch also asserts the JIT would have run its kernel. Interpreted: every call goes through the JIT."""
+    from waste import triton_launch
+    g = torch.Generator().manual_seed(2)
+    base_w = torch.randn(64 * 300 + 8, generator=g).to(torch.bfloat16).to(DEV)
+    base_x = torch.randn(300 + 8, generator=g).to(torch.bfloat16).to(DEV)
+    out = {}
+    for fast in (False, True):
+        triton_launch.ENABLED = fast
+        try:
+            out[fast] = [gemv_triton.row(base_x[o:o + 300].view(1, 300), base_w[o:o + 64 * 300].view(64, 300))
+                         for _ in range(2) for o in (0, 1, 8)]
+        finally:
+            triton_launch.ENABLED = True
+    assert all(torch.equal(a, b) for a, b in zip(out[False], out[True]))

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent / "waste"
 # units of one tier do not import each other.
 TIERS = [
     {"errors", "version", "kernel_cache"},
-    {"units", "params", "timing", "numba_ptr"},
+    {"units", "params", "timing", "numba_ptr", "triton_launch"},
     {"container", "quant"},
     {"layers"},
     {"runtime"},

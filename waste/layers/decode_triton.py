@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_launch import Fast, aligned, pdl, pdl_begin, pdl_wait
+
 try:
     import triton
     import triton.language as tl
@@ -38,8 +40,10 @@ def usable(x: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _qk_rope_put(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kb_ptr, vb_ptr, H, KV, eps,
-                     D: tl.constexpr, NORM: tl.constexpr):
+                     D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         # program h < H: query head h; else key head h - H, and its value head copied beside it
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         h = tl.program_id(0)
         pos = tl.load(pos_ptr).to(tl.int64)
         i = tl.arange(0, D)
@@ -68,9 +72,12 @@ if triton is not None:
             tl.store(vb_ptr + row, v.to(vb_ptr.dtype.element_ty))
 
     @triton.jit
-    def _attend_row(q_ptr, kb_ptr, vb_ptr, pos_ptr, o_ptr, scale, KV, GRP, D: tl.constexpr, BLK: tl.constexpr):
+    def _attend_row(q_ptr, kb_ptr, vb_ptr, pos_ptr, o_ptr, scale, KV, GRP, D: tl.constexpr, BLK: tl.constexpr,
+                    PDL: tl.constexpr):
         # one query head per program over cache rows 0 .. pos (read from the tensor: the loop's length follows the
         # replayed position), online softmax in float32
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         h = tl.program_id(0)
         g = h // GRP
         pos = tl.load(pos_ptr).to(tl.int64)
@@ -96,9 +103,11 @@ if triton is not None:
 
     @triton.jit
     def _attend_part(q_ptr, kb_ptr, vb_ptr, pos_ptr, m_ptr, l_ptr, a_ptr, scale, KV, GRP, S, D: tl.constexpr,
-                     BLK: tl.constexpr):
+                     BLK: tl.constexpr, PDL: tl.constexpr):
         # flash-decoding's first pass: program (h, j) takes the j-th of S equal shares of the rows 0 .. pos (the
         # share's length follows the replayed position) and leaves its running max, sum and unnormalised output
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         h = tl.program_id(0)
         j = tl.program_id(1)
         g = h // GRP
@@ -130,9 +139,11 @@ if triton is not None:
         tl.store(a_ptr + i * D + d, acc)
 
     @triton.jit
-    def _attend_combine(m_ptr, l_ptr, a_ptr, o_ptr, S, D: tl.constexpr, SP: tl.constexpr):
+    def _attend_combine(m_ptr, l_ptr, a_ptr, o_ptr, S, D: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
         # the second pass: a head's S shares rescaled to their common max and summed in order (a share with no rows
         # has max -inf and weighs 0; share 0 always has row 0)
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         h = tl.program_id(0)
         j = tl.arange(0, SP)
         d = tl.arange(0, D)
@@ -143,6 +154,9 @@ if triton is not None:
         a = tl.load(a_ptr + (h * S + j)[:, None] * D + d[None, :], mask=jm[:, None], other=0.0)
         o = tl.sum(w[:, None] * a, 0) / tl.sum(w * l, 0)
         tl.store(o_ptr + h * D + d, o.to(o_ptr.dtype.element_ty))
+
+    _QK_ROPE_PUT, _ATTEND_ROW = Fast(_qk_rope_put), Fast(_attend_row)
+    _ATTEND_PART, _ATTEND_COMBINE = Fast(_attend_part), Fast(_attend_combine)
 
     @triton.jit
     def _topk_of(x, e, E, w_ptr, idx_ptr, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr):
@@ -175,13 +189,19 @@ if triton is not None:
 
     @triton.jit
     def _router_row(x_ptr, r_ptr, logit_ptr, count_ptr, E, H, w_ptr, idx_ptr, EP: tl.constexpr, BH: tl.constexpr,
-                    K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr):
+                    K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         # EP experts' float32 logits of one row (x widened as read), then the last program to finish takes the
         # softmax and top-k of all E (the programs count themselves in count_ptr, which that program zeroes again)
+        pdl_begin(PDL)
         e = tl.program_id(0) * EP + tl.arange(0, EP)
         em = e < E
-        acc = tl.zeros([EP, BH], tl.float32)
-        for h0 in range(0, H, BH):
+        # the first columns of the router read while the kernel before (whose output is x) finishes
+        h = tl.arange(0, BH)
+        hm = h < H
+        w = tl.load(r_ptr + e[:, None].to(tl.int64) * H + h[None, :], mask=em[:, None] & hm[None, :], other=0.0)
+        pdl_wait(PDL)
+        acc = w.to(tl.float32) * tl.load(x_ptr + h, mask=hm, other=0.0).to(tl.float32)[None, :]
+        for h0 in range(BH, H, BH):
             h = h0 + tl.arange(0, BH)
             hm = h < H
             w = tl.load(r_ptr + e[:, None].to(tl.int64) * H + h[None, :], mask=em[:, None] & hm[None, :], other=0.0)
@@ -193,6 +213,9 @@ if triton is not None:
             a = tl.arange(0, BE)
             x = tl.load(logit_ptr + a, mask=a < E, other=float("-inf"), cache_modifier=".cg")
             _topk_of(x, a, E, w_ptr, idx_ptr, K, KP, BE, NORM)
+
+    _ROUTER_ROW = Fast(_router_row)
+
 
 def qk_rope_usable(qkv: torch.Tensor, cos: torch.Tensor, kbuf: torch.Tensor, d: int, rotary_dim) -> bool:
     return (usable(qkv) and qkv.shape[0] == 1 and qkv.is_contiguous() and kbuf.is_contiguous()
@@ -206,8 +229,11 @@ def qk_rope_put(qkv: torch.Tensor, H: int, KV: int, d: int, q_norm, k_norm, eps:
     cos / sin: the rope tables [positions, 1, d]; q_norm / k_norm None: no q/k norm."""
     q = torch.empty(1, H, d, dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
-    _qk_rope_put[(H + KV,)](qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos, sin, pos, q, kbuf, vbuf, H,
-                            KV, eps, D=d, NORM=norm, num_warps=1)
+    qn, kn = (q_norm, k_norm) if norm else (qkv, qkv)
+    dep = pdl(qkv)
+    _QK_ROPE_PUT((H, KV, d, norm, qkv.dtype, qn.dtype, kn.dtype, cos.dtype, kbuf.dtype,
+                  aligned(qkv, qn, kn, cos, sin, pos, kbuf, vbuf), dep), (H + KV,),
+                 qkv, qn, kn, cos, sin, pos, q, kbuf, vbuf, H, KV, eps, d, norm, dep, num_warps=1, launch_pdl=dep)
     return q
 
 
@@ -218,24 +244,32 @@ def attend_row(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pos: tor
     KV = kbuf.shape[1]
     o = torch.empty_like(q)
     S = split_of(H) if ATTN_SPLIT else 1
+    dep = pdl(q)
     if S == 1:
-        _attend_row[(H,)](q, kbuf, vbuf, pos, o, d ** -0.5, KV, H // KV, D=d, BLK=64, num_warps=4)
+        _ATTEND_ROW((H, KV, d, q.dtype, kbuf.dtype, aligned(q, kbuf, vbuf, pos), dep), (H,),
+                    q, kbuf, vbuf, pos, o, d ** -0.5, KV, H // KV, d, 64, dep, num_warps=4, launch_pdl=dep)
         return o
     m = torch.empty(H, S, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     a = torch.empty(H, S, d, dtype=torch.float32, device=q.device)
-    _attend_part[(H, S)](q, kbuf, vbuf, pos, m, l, a, d ** -0.5, KV, H // KV, S, D=d, BLK=32, num_warps=4)
-    _attend_combine[(H,)](m, l, a, o, S, D=d, SP=triton.next_power_of_2(S), num_warps=4)
+    _ATTEND_PART((H, KV, S, d, q.dtype, kbuf.dtype, aligned(q, kbuf, vbuf, pos), dep), (H, S),
+                 q, kbuf, vbuf, pos, m, l, a, d ** -0.5, KV, H // KV, S, d, 32, dep, num_warps=4, launch_pdl=dep)
+    _ATTEND_COMBINE((S, d, o.dtype, dep), (H,), m, l, a, o, S, d, triton.next_power_of_2(S), dep, num_warps=4,
+                    launch_pdl=dep)
     return o
 
 
 if triton is not None:
     @triton.jit
-    def _add_rms(h_ptr, y_ptr, w_ptr, oh_ptr, ox_ptr, N, eps, B: tl.constexpr, ADD: tl.constexpr):
+    def _add_rms(h_ptr, y_ptr, w_ptr, oh_ptr, ox_ptr, N, eps, B: tl.constexpr, ADD: tl.constexpr,
+                 PDL: tl.constexpr):
         # row t: h' = h + y (rounded to the rows' dtype, as torch's add), x = h' / rms(h') * w in float32, rounded
+        pdl_begin(PDL)
         t = tl.program_id(0).to(tl.int64)
         n = tl.arange(0, B)
         m = n < N
+        nw = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)    # the norm's weight, before the wait
+        pdl_wait(PDL)
         h = tl.load(h_ptr + t * N + n, mask=m, other=0.0)
         if ADD:
             h = (h.to(tl.float32) + tl.load(y_ptr + t * N + n, mask=m, other=0.0).to(tl.float32)).to(
@@ -244,8 +278,10 @@ if triton is not None:
         hf = h.to(tl.float32)
         # 1 / sqrt correctly rounded (not rsqrt's approximation): float32 rows stay within the CPU's tolerance
         r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(hf * hf, 0), N.to(tl.float32)) + eps))
-        x = hf * r * tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
+        x = hf * r * nw
         tl.store(ox_ptr + t * N + n, x.to(ox_ptr.dtype.element_ty), mask=m)
+
+    _ADD_RMS = Fast(_add_rms)
 
 
 def norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -263,7 +299,11 @@ def add_rms(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: 
     oh = h if y is None else torch.empty_like(h)
     yy = h if y is None else y.contiguous()
     B = triton.next_power_of_2(N)
-    _add_rms[(T,)](h, yy, w, oh, x, N, eps, B=B, ADD=y is not None, num_warps=4 if B <= 4096 else 8)
+    # the weight read before the wait: not when contiguous() just copied it
+    add, warps, dep = y is not None, 4 if B <= 4096 else 8, pdl(h) and weight.is_contiguous()
+    # oh and x: h or fresh from the caching allocator (512-byte aligned)
+    _ADD_RMS((N, h.dtype, yy.dtype, w.dtype, aligned(h, yy, w), add, dep), (T,), h, yy, w, oh, x, N, eps, B, add,
+             dep, num_warps=warps, launch_pdl=dep)
     return oh, x
 
 
@@ -310,8 +350,10 @@ def router_row(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool):
     w = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
     idx = torch.empty(1, top_k, dtype=torch.int64, device=x.device)
     BH = min(triton.next_power_of_2(H), 2048)
-    _router_row[(E,)](x, weight, logits, count, E, H, w, idx, EP=1, BH=BH, K=top_k, KP=triton.next_power_of_2(top_k),
-                      BE=triton.next_power_of_2(E), NORM=norm, num_warps=4)
+    dep = pdl(x)
+    _ROUTER_ROW((E, H, x.dtype, weight.dtype, aligned(x, weight, count), top_k, norm, dep), (E,), x, weight, logits,
+                count, E, H, w, idx, 1, BH, top_k, triton.next_power_of_2(top_k), triton.next_power_of_2(E), norm,
+                dep, num_warps=4, launch_pdl=dep)
     return w, idx
 
 

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_launch import pdl, pdl_begin, pdl_wait
 from .decode_triton import counts
 from .q4_rows import _bf16_pair, _held, _matrix, _swiglu
 from .q4_rows import _words as _sz_words
@@ -66,8 +67,10 @@ def _quant_groups(x_row, w_row, sc_row, gs, gm, G, G4: tl.constexpr, CM: tl.cons
 
 
 @triton.jit
-def _quantize(x_ptr, sx, w_ptr, sw, sc_ptr, ss, G, GB: tl.constexpr, G4: tl.constexpr):
+def _quantize(x_ptr, sx, w_ptr, sw, sc_ptr, ss, G, GB: tl.constexpr, G4: tl.constexpr, PDL: tl.constexpr):
     # row r's groups [GB j, GB j + GB)
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     gs = tl.program_id(1) * GB + tl.arange(0, GB)
     _quant_groups(x_ptr + r * sx, w_ptr + r * sw, sc_ptr + r * ss, gs, gs < G, G, G4, "")
@@ -97,11 +100,13 @@ def _dot(qrow, xw, sc, szrow, n, nm, g0, KG, szg, KW, GW: tl.constexpr, NG: tl.c
 def _gate_up_act(xw_ptr, sxw, sc_ptr, ssc, KDIV, slot_ptr, q_ptr, qs, DQ, sz_ptr, szs, szg, DS, a_ptr, sa, N, KW, KG,
                  limit, cnt_ptr, aw_ptr, saw, asc_ptr, sasc, AG, BN: tl.constexpr, NG: tl.constexpr,
                  GW: tl.constexpr, LIMIT: tl.constexpr, ROUND: tl.constexpr, ASM: tl.constexpr, AGP: tl.constexpr,
-                 AG4: tl.constexpr):
+                 AG4: tl.constexpr, PDL: tl.constexpr):
     # pair p's SwiGLU(gate x, up x) of rows n, x = row p // KDIV's words; up DQ words (DS sz words) after gate; each
     # row rounded to bf16 first where the rows are (ROUND), as a stored gate / up row is; -1 pairs stored zero. The
     # pair's last program to finish (counted in cnt_ptr[p]) rounds the pair's whole row to int8 for the down launch
     # (AG groups of 4 AG4), which saves that launch
+    pdl_begin(PDL)
+    pdl_wait(PDL)                       # the slots and x are the kernels' before: nothing to read ahead of them
     p = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < N
@@ -125,10 +130,13 @@ def _gate_up_act(xw_ptr, sxw, sc_ptr, ssc, KDIV, slot_ptr, q_ptr, qs, DQ, sz_ptr
 
 @triton.jit
 def _down(aw_ptr, saw, sc_ptr, ssc, slot_ptr, wt_ptr, q_ptr, qs, sz_ptr, szs, szg, y_ptr, sy, N, KW, KG, cnt_ptr,
-          o_ptr, BN: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, ASM: tl.constexpr, SUM: tl.constexpr):
+          o_ptr, BN: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, ASM: tl.constexpr, SUM: tl.constexpr,
+          PDL: tl.constexpr):
     # pair p's weight_p * down_p(act_p) of rows n, float32, from act_p's words; a -1 pair stored zero. SUM: the
     # last program of rows n to finish (counted in cnt_ptr) adds every pair's rows in order (moe_triton.sum_pairs'
     # arithmetic) and stores the sum in o_ptr's dtype, which saves that launch
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < N
@@ -179,8 +187,10 @@ def quantize(x: torch.Tensor, g: int):
     w = torch.empty(R, K // 4, dtype=torch.int32, device=x.device)
     sc = torch.empty(R, 3, G, dtype=torch.float32, device=x.device)
     gb = min(QUANT_GROUPS, triton.next_power_of_2(G))
-    _quantize[(R, triton.cdiv(G, gb))](x, x.stride(0), w, w.stride(0), sc, sc.stride(0), G, GB=gb, G4=g // 4,
-                                       num_warps=4, enable_fp_fusion=False)    # x / d rounded before the rint
+    dep = pdl(x)
+    _quantize[(R, triton.cdiv(G, gb))](x, x.stride(0), w, w.stride(0), sc, sc.stride(0), G, GB=gb, G4=g // 4, PDL=dep,
+                                       num_warps=4, enable_fp_fusion=False,     # x / d rounded before the rint
+                                       launch_pdl=dep)
     return w, sc
 
 
@@ -204,7 +214,8 @@ def gate_up_act(xk, kdiv: int, flat, bank, delta, tile=None):
         0.0 if lim is None else lim, counts(xk.device, P, "q4_int8_rows.gate_up"), aw, aw.stride(0), asc,
         asc.stride(0), N // g, BN=bn, NG=_ng(KG, ng), GW=gh // 4, LIMIT=lim is not None,
         ROUND=xk.dtype == torch.bfloat16, ASM=xk.is_cuda, AGP=triton.next_power_of_2(N // g), AG4=g // 4,
-        num_warps=warps, enable_fp_fusion=False)     # the rounding's x / d before its rint, as quantize's
+        PDL=pdl(xk), num_warps=warps, enable_fp_fusion=False,     # the rounding's x / d before its rint, as quantize's
+        launch_pdl=pdl(xk))
     return a, (aw, asc)
 
 
@@ -222,5 +233,6 @@ def down(a, flat, wt, bank, tile=None, total: torch.dtype | None = None) -> torc
     out = y if total is None else torch.empty(1, N, dtype=total, device=a.device)
     _down[(P, nblk)](aw, aw.stride(0), asc, asc.stride(0), flat, wt, qw, qw.stride(0), sz, sz.stride(0), sz.stride(1),
                      y, y.stride(0), N, K // 8, KG, counts(a.device, nblk, "q4_int8_rows.down"), out, BN=bn,
-                     NG=_ng(KG, ng), GW=gh // 4, ASM=a.is_cuda, SUM=total is not None, num_warps=warps)
+                     NG=_ng(KG, ng), GW=gh // 4, ASM=a.is_cuda, SUM=total is not None, PDL=pdl(a), num_warps=warps,
+                     launch_pdl=pdl(a))
     return out

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_launch import Fast, aligned, pdl, pdl_begin, pdl_wait
+
 try:
     import triton
     import triton.language as tl
@@ -44,13 +46,20 @@ def tile_for(N: int, K: int, esize: int = 2) -> tuple[int, int, int]:
 
 if triton is not None:
     @triton.jit
-    def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr, BIAS: tl.constexpr):
+    def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr, BIAS: tl.constexpr,
+              PDL: tl.constexpr):
         # y[n] = sum_k W[n, k] x[k] (+ b[n]) for rows n of this program, float32, rounded once on the store
+        pdl_begin(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nm = n < N
-        acc = tl.zeros([BN, BK], tl.float32)
         rows = w_ptr + n[:, None].to(tl.int64) * K
-        for k0 in range(0, K, BK):
+        # the first tile of W read while the kernel before (whose output is x) finishes: weights never change
+        k = tl.arange(0, BK)
+        km = k < K
+        w = tl.load(rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        pdl_wait(PDL)
+        acc = w.to(tl.float32) * tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)[None, :]
+        for k0 in range(BK, K, BK):
             k = k0 + tl.arange(0, BK)
             km = k < K
             w = tl.load(rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
@@ -61,12 +70,19 @@ if triton is not None:
             y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
         tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
+    _GEMV = Fast(_gemv)
 
-def row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K] @ w[N, K].T (+ bias) in x's dtype: what F.linear returns, summed in another order."""
+
+def row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, still: bool = True) -> torch.Tensor:
+    """x [1, K] @ w[N, K].T (+ bias) in x's dtype: what F.linear returns, summed in another order. still: no kernel
+    just before wrote w or bias (weights, not a cast made for this call), so the launch may read w's first tile
+    while that kernel finishes (triton_launch.pdl)."""
     N, K = w.shape
     bn, bk, warps = tile_for(N, K, w.element_size())
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     b = bias.contiguous() if bias is not None else w
-    _gemv[(triton.cdiv(N, bn),)](x, w, b, y, N, K, BN=bn, BK=bk, BIAS=bias is not None, num_warps=warps)
+    has, dep = bias is not None, still and pdl(x)
+    # y is the caching allocator's: 512-byte aligned
+    _GEMV((N, K, x.dtype, b.dtype, aligned(x, w, b), bn, bk, warps, has, dep), (triton.cdiv(N, bn),),
+          x, w, b, y, N, K, bn, bk, has, dep, num_warps=warps, launch_pdl=dep)
     return y

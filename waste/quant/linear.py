@@ -77,12 +77,13 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
             lead = x.shape[:-1]
             y = w.fmt.linear(x.reshape(-1, x.shape[-1]), w.parts, w.shape).view(*lead, w.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
+    cast = w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype)
     if w.dtype != x.dtype:
         w = w.to(x.dtype)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     if x.is_cuda and gemv_triton.usable(x, w):     # a GPU decode row: more of HBM's rate than cuBLAS's gemv
-        return gemv_triton.row(x, w, bias)
+        return gemv_triton.row(x, w, bias, still=not cast)
     return F.linear(x, w, bias)
 
 
