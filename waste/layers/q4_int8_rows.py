@@ -207,15 +207,15 @@ def gate_up_act(xk, kdiv: int, flat, bank, delta, tile=None):
     g = bank.shapes["down"][1] // bank.parts["down"]["sz"].shape[1]      # the down matrix's group
     aw = torch.empty(P, N // 4, dtype=torch.int32, device=xk.device)
     asc = torch.empty(P, 3, N // g, dtype=torch.float32, device=xk.device)
-    lim = bank.limit
+    lim, dep = bank.limit, pdl(xk)
     _gate_up_act[(P, triton.cdiv(N, bn))](
         xw, xw.stride(0), sc, sc.stride(0), kdiv, flat, qw, qw.stride(0), delta(qw, uw), sz, sz.stride(0),
         sz.stride(1), delta(sz, _sz_words(bank.parts["up"]["sz"])), a, a.stride(0), N, K // 8, KG,
         0.0 if lim is None else lim, counts(xk.device, P, "q4_int8_rows.gate_up"), aw, aw.stride(0), asc,
         asc.stride(0), N // g, BN=bn, NG=_ng(KG, ng), GW=gh // 4, LIMIT=lim is not None,
         ROUND=xk.dtype == torch.bfloat16, ASM=xk.is_cuda, AGP=triton.next_power_of_2(N // g), AG4=g // 4,
-        PDL=pdl(xk), num_warps=warps, enable_fp_fusion=False,     # the rounding's x / d before its rint, as quantize's
-        launch_pdl=pdl(xk))
+        PDL=dep, num_warps=warps, enable_fp_fusion=False,     # the rounding's x / d before its rint, as quantize's
+        launch_pdl=dep)
     return a, (aw, asc)
 
 
@@ -231,8 +231,9 @@ def down(a, flat, wt, bank, tile=None, total: torch.dtype | None = None) -> torc
     y = torch.empty(P, N, dtype=torch.float32, device=a.device)
     nblk = triton.cdiv(N, bn)
     out = y if total is None else torch.empty(1, N, dtype=total, device=a.device)
+    dep = pdl(a)
     _down[(P, nblk)](aw, aw.stride(0), asc, asc.stride(0), flat, wt, qw, qw.stride(0), sz, sz.stride(0), sz.stride(1),
                      y, y.stride(0), N, K // 8, KG, counts(a.device, nblk, "q4_int8_rows.down"), out, BN=bn,
-                     NG=_ng(KG, ng), GW=gh // 4, ASM=a.is_cuda, SUM=total is not None, PDL=pdl(a), num_warps=warps,
-                     launch_pdl=pdl(a))
+                     NG=_ng(KG, ng), GW=gh // 4, ASM=a.is_cuda, SUM=total is not None, PDL=dep, num_warps=warps,
+                     launch_pdl=dep)
     return out
