@@ -12,7 +12,7 @@ source "$(dirname "$0")/cuda_call_setup.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD:/tmp/site
 D=/tmp/g4
-[[ -n ${ARMS+x} ]] || ARMS=("--threads 4" "--split 4" "--async-up" "--prefetch")
+[[ -n ${ARMS+x} ]] || ARMS=("--threads 4" "--split 4" "--async-up" "--prefetch" "--jit")
 left() { echo $(( LIMIT - SECONDS - ${1:-10} )); }
 if [[ $STEPS == *T* ]]; then
   step "T: the GPU tests, in the background (log: $OUT/gpu_tests.txt)"

@@ -143,6 +143,7 @@ def main() -> None:
     ap.add_argument("--prefetch", action="store_true", help="next-layer prefetch on (waste.load's prefetch)")
     ap.add_argument("--split", type=int, default=1, help="arm: a record read as this many preads at once")
     ap.add_argument("--async-up", action="store_true", help="arm: the copies up to the GPU without a host wait")
+    ap.add_argument("--jit", action="store_true", help="arm: every triton launch through triton's JIT (no Fast)")
     ap.add_argument("--device", default="cuda", help="cpu: the same pieces without a GPU (to try the script)")
     a = ap.parse_args()
     if a.device == "cpu":
@@ -152,6 +153,9 @@ def main() -> None:
         split_reads(a.split)
     if a.async_up:
         async_up()
+    if a.jit:
+        from waste import triton_launch
+        triton_launch.ENABLED = False
     instrument()
     drop = subprocess.run("sync && echo 3 > /proc/sys/vm/drop_caches", shell=True).returncode == 0
     banks = sorted(p for p in (out / "experts").iterdir() if p.is_file())
@@ -206,7 +210,7 @@ def main() -> None:
     read = (st.bytes_read - snap[0].bytes_read) / calls
     med = statistics.median(steps)
     print(f"{a.layers} layers q4, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.2f} GB bank, {a.threads} "
-          f"reader threads, split {a.split}, async up {a.async_up}, prefetch {'on' if a.prefetch else 'off'} (precision {st.predicted_right / max(st.predicted, 1):.2f}, "
+          f"reader threads, split {a.split}, async up {a.async_up}, jit {a.jit}, prefetch {'on' if a.prefetch else 'off'} (precision {st.predicted_right / max(st.predicted, 1):.2f}, "
           f"recall {st.predicted_right / max(st.predicted_needed, 1):.2f}), page cache dropped: {drop}; disk (8 MiB O_DIRECT reads) {disk / 1e9:.2f} GB/s", flush=True)
     print(f"decode {1 / med:.1f} tok/s ({1e3 * med:.2f} ms a token median); {read / 1e6:.1f} MB read a token "
           f"({read / eng.experts.record_bytes:.2f} records); disk bound {disk / read:.1f} tok/s "

@@ -135,12 +135,16 @@ def test_glm5_generates_the_trunk_its_release_converts_to(tmp_path):
     tensor the converted release holds, by name and values' count, and a model that runs, the same for one seed."""
     import math
 
+    import transformers
     from fixtures import save_release
+    from packaging.version import Version
     from safetensors import safe_open
     from test_oracle_glm5 import glm5_model
 
     from waste.convert.convert import convert
 
+    if Version(transformers.__version__) < Version("5.24"):     # the GPU machine's own transformers (5.17)
+        pytest.skip(f"the GLM-5.3 fixture needs transformers 5.24's config (this has {transformers.__version__})")
     src = save_release(glm5_model(), tmp_path / "src")
     cont = convert(src, tmp_path / "glm5.waste", experts="bf16", trunk="bf16", progress=False)
     spec = f"random:{src / 'config.json'}"

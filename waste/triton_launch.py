@@ -90,6 +90,20 @@ def _grid3(grid: tuple) -> tuple:
     return (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
 
 
+def spec_key(args: tuple, *extra) -> tuple:
+    """A key naming every argument of a launch (in order: each tensor's dtype and alignment bit, every other
+    argument's value), plus extra (the options): complete by construction, for launches with many integer
+    arguments whose specializations a hand-made key could miss. ~3-5 us of host time for 30 arguments."""
+    bits, vals = 0, []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            bits |= (a.data_ptr() % 16 == 0) << i
+            vals.append(a.dtype)
+        else:
+            vals.append(a)
+    return (bits, *vals, *extra)
+
+
 def aligned(*tensors) -> int:
     """A bit per tensor: its address a multiple of 16 (what triton specializes a pointer on), for a key."""
     bits = 0

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import pdl, pdl_begin, pdl_wait
+from ..triton_launch import Fast, pdl, pdl_begin, pdl_wait, spec_key
 from .decode_triton import counts
 from .q4_rows import _bf16_pair, _held, _matrix, _swiglu
 from .q4_rows import _words as _sz_words
@@ -178,6 +178,11 @@ def serves(bank) -> bool:
     return True
 
 
+# launched past triton's JIT (triton_launch.Fast): a VRAM or disk tier's layers run these eagerly; the keys name
+# every argument (spec_key), so they determine each one's specialization
+_QUANTIZE, _GATE_UP, _DOWN = Fast(_quantize), Fast(_gate_up_act), Fast(_down)
+
+
 def quantize(x: torch.Tensor, g: int):
     """Rows [R, K] (K a multiple of g, g of 4) -> (int8 words int32 [R, K/4], float32 [R, 3, K/g]: each group's d,
     8 d sum(xq) and sum(x)), quant/q4_int8.quantize_row's rounding."""
@@ -188,9 +193,9 @@ def quantize(x: torch.Tensor, g: int):
     sc = torch.empty(R, 3, G, dtype=torch.float32, device=x.device)
     gb = min(QUANT_GROUPS, triton.next_power_of_2(G))
     dep = pdl(x)
-    _quantize[(R, triton.cdiv(G, gb))](x, x.stride(0), w, w.stride(0), sc, sc.stride(0), G, GB=gb, G4=g // 4, PDL=dep,
-                                       num_warps=4, enable_fp_fusion=False,     # x / d rounded before the rint
-                                       launch_pdl=dep)
+    args = (x, x.stride(0), w, w.stride(0), sc, sc.stride(0), G, gb, g // 4, dep)
+    _QUANTIZE(spec_key(args), (R, triton.cdiv(G, gb)), *args, num_warps=4,
+              enable_fp_fusion=False, launch_pdl=dep)     # x / d rounded before the rint
     return w, sc
 
 
@@ -208,14 +213,14 @@ def gate_up_act(xk, kdiv: int, flat, bank, delta, tile=None):
     aw = torch.empty(P, N // 4, dtype=torch.int32, device=xk.device)
     asc = torch.empty(P, 3, N // g, dtype=torch.float32, device=xk.device)
     lim, dep = bank.limit, pdl(xk)
-    _gate_up_act[(P, triton.cdiv(N, bn))](
-        xw, xw.stride(0), sc, sc.stride(0), kdiv, flat, qw, qw.stride(0), delta(qw, uw), sz, sz.stride(0),
-        sz.stride(1), delta(sz, _sz_words(bank.parts["up"]["sz"])), a, a.stride(0), N, K // 8, KG,
-        0.0 if lim is None else lim, counts(xk.device, P, "q4_int8_rows.gate_up"), aw, aw.stride(0), asc,
-        asc.stride(0), N // g, BN=bn, NG=_ng(KG, ng), GW=gh // 4, LIMIT=lim is not None,
-        ROUND=xk.dtype == torch.bfloat16, ASM=xk.is_cuda, AGP=triton.next_power_of_2(N // g), AG4=g // 4,
-        PDL=dep, num_warps=warps, enable_fp_fusion=False,     # the rounding's x / d before its rint, as quantize's
-        launch_pdl=dep)
+    args = (xw, xw.stride(0), sc, sc.stride(0), kdiv, flat, qw, qw.stride(0), delta(qw, uw), sz, sz.stride(0),
+            sz.stride(1), delta(sz, _sz_words(bank.parts["up"]["sz"])), a, a.stride(0), N, K // 8, KG,
+            0.0 if lim is None else lim, counts(xk.device, P, "q4_int8_rows.gate_up"), aw, aw.stride(0), asc,
+            asc.stride(0), N // g, bn, _ng(KG, ng), gh // 4, lim is not None, xk.dtype == torch.bfloat16, xk.is_cuda,
+            triton.next_power_of_2(N // g), g // 4, dep)
+    _GATE_UP(spec_key(args, warps), (P, triton.cdiv(N, bn)), *args, num_warps=warps,
+             enable_fp_fusion=False,     # the rounding's x / d before its rint, as quantize's
+             launch_pdl=dep)
     return a, (aw, asc)
 
 
@@ -232,8 +237,8 @@ def down(a, flat, wt, bank, tile=None, total: torch.dtype | None = None) -> torc
     nblk = triton.cdiv(N, bn)
     out = y if total is None else torch.empty(1, N, dtype=total, device=a.device)
     dep = pdl(a)
-    _down[(P, nblk)](aw, aw.stride(0), asc, asc.stride(0), flat, wt, qw, qw.stride(0), sz, sz.stride(0), sz.stride(1),
-                     y, y.stride(0), N, K // 8, KG, counts(a.device, nblk, "q4_int8_rows.down"), out, BN=bn,
-                     NG=_ng(KG, ng), GW=gh // 4, ASM=a.is_cuda, SUM=total is not None, PDL=dep, num_warps=warps,
-                     launch_pdl=dep)
+    args = (aw, aw.stride(0), asc, asc.stride(0), flat, wt, qw, qw.stride(0), sz, sz.stride(0), sz.stride(1), y,
+            y.stride(0), N, K // 8, KG, counts(a.device, nblk, "q4_int8_rows.down"), out, bn, _ng(KG, ng), gh // 4,
+            a.is_cuda, total is not None, dep)
+    _DOWN(spec_key(args, warps), (P, nblk), *args, num_warps=warps, launch_pdl=dep)
     return out
