@@ -1,7 +1,7 @@
 """Where a streamed decode step leaves the disk idle: every record read, attention and router section timed in one
 process (uniform routing, seeded random tokens), then per layer the idle pieces between one layer's last read and
 the next layer's first: the tail (the last record's pair and the step's bookkeeping), attention, the router, and
-router -> first read (the residency call and a reader thread's wake-up).
+router -> first read (the residency call and a reader thread's wake-up, or the io_submit of Linux AIO).
 
     ../shared/tools/laptop --drop-caches 1100M -- python benchmarks/streaming_timeline.py /tmp/peers/q30b6_q4.waste
 
@@ -30,7 +30,10 @@ def main():
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("-n", type=int, default=16)
     ap.add_argument("--budget", help="expert budget (default: the memory plan's, e.g. under laptop)")
+    ap.add_argument("--aio-depth", type=int, help="Linux AIO reads in flight at once (cache.AIO_DEPTH)")
     a = ap.parse_args()
+    if a.aio_depth is not None:
+        cache.AIO_DEPTH = a.aio_depth
     reads, sections = [], []          # (start, end); (name, start, end) on the decoding thread
     read = cache.ExpertCache._read
 
@@ -50,7 +53,17 @@ def main():
             if threading.current_thread() is threading.main_thread():
                 sections.append((name, t0, time.perf_counter()))
 
+    landed = getattr(cache.ExpertCache, "_landed_direct", None)      # a tree without Linux AIO reads has none
+
+    def timed_landed(self, key, slot, fut, t0, res):      # a Linux AIO read: from its io_submit to its landing
+        try:
+            return landed(self, key, slot, fut, t0, res)
+        finally:
+            reads.append((t0, time.perf_counter()))
+
     cache.ExpertCache._read = timed_read
+    if landed is not None:
+        cache.ExpertCache._landed_direct = timed_landed
     eng = Engine.load(a.model, dtype=a.dtype, budget=a.budget)
     try:
         m = eng.model

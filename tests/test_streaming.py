@@ -206,8 +206,9 @@ def test_experts_computed_as_their_reads_land_match_all_resident(releases, tmp_p
     # runs (on a loaded box the one reader could finish a prefill layer's reads before its first group was taken)
     from waste.runtime.cache import ExpertCache
 
-    read = ExpertCache._timed_read
+    read, landed = ExpertCache._timed_read, ExpertCache._landed_direct     # a reader thread's, Linux AIO's reaper's
     monkeypatch.setattr(ExpertCache, "_timed_read", lambda self, *a: (time.sleep(0.005), read(self, *a))[1])
+    monkeypatch.setattr(ExpertCache, "_landed_direct", lambda self, *a: (time.sleep(0.005), landed(self, *a))[1])
     saved = torch.get_num_threads()
     try:
         for budget, compute in ((ws, 1), (ws, 2), (3 * ws, 2)):

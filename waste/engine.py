@@ -66,9 +66,18 @@ def spread_experts(model, experts, device) -> None:
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    # its threads' kernels on one thread each (torch's count, which the numba kernels follow, is per thread)
-    model.expert_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="waste-experts", initializer=torch.set_num_threads,
-                                           initargs=(1,))
+    from .runtime.affinity import pool_pinner
+
+    # each worker and the decoding thread on a CPU of its own during a step, where the process has enough
+    # (runtime/affinity.py; WASTE_PIN=0 leaves them to the scheduler)
+    pin = pool_pinner(n - 1) if os.environ.get("WASTE_PIN", "1") != "0" else None
+    model.pin_cpus = pin is not None
+
+    def init() -> None:       # its kernels on one thread each (torch's count, which numba follows, is per thread)
+        torch.set_num_threads(1)
+        if pin is not None:
+            pin()
+    model.expert_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="waste-experts", initializer=init)
 
 
 @dataclass
@@ -248,6 +257,12 @@ class Generation:
             yield rest
 
 
+
+def aio_reads() -> bool:
+    """Demand reads through Linux AIO where the banks take O_DIRECT (runtime/cache.py); WASTE_AIO=0 keeps them on the
+    reader threads (the same bytes: for measuring one against the other)."""
+    return os.environ.get("WASTE_AIO", "1") != "0"
+
 class Engine:
     def __init__(self, container: Container, model, tokenizer, experts, dtype: torch.dtype, plan: MemoryPlan | None = None):
         self.container, self.model, self.tokenizer, self.experts, self.dtype = container, model, tokenizer, experts, dtype
@@ -322,7 +337,8 @@ class Engine:
             else:
                 vb = vram_budget(plan, dev, None if vram is None else parse_size(vram))
                 experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload,
-                                      verify=verify, direct=direct, device=dev, prefetch=prefetch, vram=vb, owned=owned)
+                                      verify=verify, direct=direct, device=dev, prefetch=prefetch, vram=vb, owned=owned,
+                                      aio=aio_reads())
             if ep is not None:
                 experts = ep.store(experts)
             f32 = set(container.manifest["trunk"].get("f32_tensors", [])) if dt != torch.float64 else set()
@@ -351,7 +367,7 @@ class Engine:
         else:
             vb = vram_budget(plan, dev, None if vram is None else parse_size(vram))
             experts = ExpertCache(container, plan.budget_bytes, dt, threads=threads, preload=preload, verify=verify,
-                                  direct=direct, device=dev, vram=vb, owned=owned)
+                                  direct=direct, device=dev, vram=vb, owned=owned, aio=aio_reads())
         experts = ep.store(experts)
         experts.make_bank(dev)
         return cls(container, None, tokenizer, experts, dt, plan)

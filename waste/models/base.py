@@ -11,6 +11,7 @@ format and device.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -23,6 +24,7 @@ from ..layers.moe import kernel_for, routed_groups
 from ..layers.norm import rms_norm
 from ..layers.router import sigmoid_grouped_topk, softmax_topk
 from ..quant.linear import linear
+from ..runtime.affinity import decoding_cpu
 from ..timing import NO_TIMER
 from .graphs import DecodeGraphs
 
@@ -62,6 +64,7 @@ class DecoderModel:
         self.timer = NO_TIMER                   # waste bench --profile sets a timing.Timer
         self.prefill_chunk: int | None = None   # at most this many of a sequence's rows per forward (the plan's)
         self.expert_pool = None                 # threads that share a CPU decode row's experts (Engine.load)
+        self.pin_cpus = False                   # a streamed decode step's threads each on a CPU (runtime/affinity)
         self.swiglu_limit = config.get("swiglu_limit")   # clamped SwiGLU in every MLP (None: plain)
         self.dense = [self.cfg["layers"][i]["mlp"] == "dense" for i in range(len(self.layers))]
         for lw in self.layers:            # routing math is float32: convert the router once, not per token
@@ -239,7 +242,8 @@ class DecoderModel:
             n = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                with row_helper(self.expert_pool):    # its thread also takes the q8 rows' chunks (§3n)
+                # its thread also takes the q8 rows' chunks (§3n); this thread on a CPU apart from the pool's (§3p)
+                with row_helper(self.expert_pool), decoding_cpu(n) if self.pin_cpus else contextlib.nullcontext():
                     return self.step(items, last_only)
             finally:
                 torch.set_num_threads(n)

@@ -124,7 +124,9 @@ def bench(engine, n: int = 64, prompt_len: int = 128, bw_seconds: float = 1.0, f
         "model": str(engine.container.root), "family": engine.container.family, "dtype": str(engine.dtype),
         "threads": torch.get_num_threads(), "budget_bytes": cache.budget_bytes, "bank_bytes": plan.bank_bytes,
         "working_set_bytes": plan.working_set_bytes, "record_bytes": rec,
-        "read_mode": getattr(cache, "read_mode", None) or ("O_DIRECT" if cache.direct else "buffered + FADV_DONTNEED"),
+        "read_mode": getattr(cache, "read_mode", None) or (
+            ("O_DIRECT + Linux AIO" if getattr(cache, "aio", None) else "O_DIRECT") if cache.direct
+            else "buffered + FADV_DONTNEED"),
         "disk_bandwidth_gb_per_s": bw / 1e9, "disk_bandwidth_mode": "O_DIRECT" if direct else "buffered (O_DIRECT refused)",
         "background_fill_bytes": cache.fill_bytes, "fill_wait_seconds": fill_wait, "evictions": cache.stats.evictions, "feed": feed,
         "prefetch": cache.prefetch, "prefetch_evictions": cache.stats.prefetch_evictions,

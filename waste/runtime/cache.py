@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -23,7 +24,8 @@ import torch
 from ..container import Container
 from ..errors import WasteError
 from ..quant.formats import get_format
-from .bankio import BankReader, aligned_buffer
+from .affinity import unpinned, usable_cpus
+from .bankio import BankReader, DirectAio, aligned_buffer
 from ..container.bank import _DTYPES
 from ..layers.gpu import cuda_kernels
 from ..layers.moe import MATRICES, Bank, layout_for
@@ -33,13 +35,15 @@ from .vram import Tier
 
 PREFETCH_MIN_PRECISION = 0.5   # of the predicted experts, the share the layer then needs (recent average)
 PRECISION_DECAY = 0.05         # weight of the newest prediction in that average (about the last 20 layer calls)
+AIO_DEPTH = 2                  # Linux AIO demand reads in flight at once; the rest queued (bankio.DirectAio)
 
 
 class ExpertCache:
     def __init__(self, container: Container, budget_bytes: int | None, dtype: torch.dtype, threads: int = 4,
                  preload: bool = True, verify: bool = True, direct: bool = True,
                  half_life: float | None = None, device: str = "cpu",
-                 prefetch: bool = True, vram: int | None = None, owned: dict[int, list[int]] | None = None):
+                 prefetch: bool = True, vram: int | None = None, owned: dict[int, list[int]] | None = None,
+                 aio: bool = True):
         ex, cfg = container.manifest["experts"], container.config
         self.device = torch.device(device)
         self.banks = container.banks
@@ -113,7 +117,12 @@ class ExpertCache:
         self.layer_slots = list(self.slot_map)        # one view per layer: a layer's lookup is one index op
         self.readers = {l: BankReader(b, direct) for l, b in self.banks.items()}
         self.direct = all(r.direct for r in self.readers.values()) if self.readers else False
-        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="waste-read")
+        # the process's CPUs: a reader started inside a decode step would inherit its pinned one (affinity.py)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="waste-read",
+                                       initializer=unpinned(usable_cpus()))
+        # a layer call's demand reads queued through Linux AIO from the decoding thread (O_DIRECT banks only);
+        # None: on the pool above, as before (no AIO here, or aio=False). The same bytes land either way.
+        self.aio = DirectAio.open(AIO_DEPTH) if aio and self.direct and self.n_slots else None
         self.lock = threading.Lock()
         self.loading: dict[tuple[int, int], Future] = {}
         self.stats = ExpertStats()
@@ -184,23 +193,67 @@ class ExpertCache:
     def _read(self, key, slot) -> float:
         if self.tier is not None:      # the slot's old record may still be on its way up
             self.tier.sync()
-        with self._flight_lock:        # the disk's busy time: from the first read in flight to the last one landing
-            if not self._in_flight:
-                self._busy_since = time.perf_counter()
-            self._in_flight += 1
+        self._busy(1)
         try:
             dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
         finally:
-            with self._flight_lock:
-                self._in_flight -= 1
-                if not self._in_flight:
-                    self.stats.disk_busy_seconds += time.perf_counter() - self._busy_since
+            self._busy(-1)
+        self._prepared(slot)
+        return dt
+
+    def _busy(self, n: int) -> None:
+        """n reads more (or fewer) in flight: the disk's busy time runs from the first in flight to the last landing
+        (its checksum included)."""
+        with self._flight_lock:
+            if not self._in_flight:
+                self._busy_since = time.perf_counter()
+            self._in_flight += n
+            if not self._in_flight:
+                self.stats.disk_busy_seconds += time.perf_counter() - self._busy_since
+
+    def _prepared(self, slot: int) -> None:
+        """A checked record into the form its kernels read. After the checksum: this rewrites the slot's bytes."""
         if self.repack and self.device.type == "cpu":   # this torch's CPU kernel wants another layout (q4 off AVX-512)
             prepare_record(self._slot_parts(slot), self.fmt, self.shapes)
         if self.dev_slab is not None:
             with self.lock:
                 self._dirty.add(slot)
-        return dt
+
+    def _queue_direct(self, layer: int, misses: list[int], slots: list[int]) -> dict[int, Future]:
+        """Queue a layer call's reads through Linux AIO from this thread; returns those the kernel took (the
+        pool reads the rest). Each lands on the reaper thread (_landed_direct)."""
+        reader = self.readers[layer]
+        if self.aio is None or not reader.direct or not misses:
+            return {}
+        if self.tier is not None:      # a slot's old record may still be on its way up
+            self.tier.sync()
+        futs, reads, t0 = {}, [], time.perf_counter()
+        for e, s in zip(misses, slots):
+            futs[e] = Future()
+            reads.append((*reader.request(e, self.slot_tensor(s)), partial(self._landed_direct, (layer, e), s,
+                                                                            futs[e], t0)))
+        self._busy(len(reads))
+        n = self.aio.submit(reads)
+        if n < len(reads):
+            self._busy(n - len(reads))
+        return dict(list(futs.items())[:n])
+
+    def _landed_direct(self, key, slot: int, fut: Future, t0: float, res: int) -> None:
+        """On the reaper: check the record (length, CRC-32) before anything rewrites it, repack it, then land it."""
+        try:
+            try:
+                if res >= 0:
+                    dt = time.perf_counter() - t0
+                    self.readers[key[0]].landed(key[1], memoryview(self.slot_tensor(slot).numpy()), res, self.verify)
+                else:     # refused at read time or an I/O error: the reader's own pread (its fallback and its error)
+                    dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
+            finally:
+                self._busy(-1)
+            self._prepared(slot)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            return
+        fut.set_result((dt, True))
 
     def _flush(self) -> None:
         """Copy the slots read since the last layer up to the device's mirror."""
@@ -375,10 +428,13 @@ class ExpertCache:
             misses = [e for e in experts if (layer, e) not in self.slot_of]
             slots = self._take_slots(len(misses), pinned)
             for e, s in zip(misses, slots):
-                key = (layer, e)
-                self._assign(key, s)
+                self._assign((layer, e), s)
                 self.policy.reset(s)
-                waits[e] = self.pool.submit(self._timed_read, key, s)
+            waits.update(self._queue_direct(layer, misses, slots))
+            for e, s in zip(misses, slots):
+                key = (layer, e)
+                if e not in waits:
+                    waits[e] = self.pool.submit(self._timed_read, key, s)
                 self.loading[key] = waits[e]
             for e in experts:
                 key = (layer, e)
@@ -494,6 +550,8 @@ class ExpertCache:
         if self.fill_thread:
             self.fill_thread.join()
         self.pool.shutdown(wait=True)
+        if self.aio is not None:
+            self.aio.close()
         for r in self.readers.values():
             r.close()
         if self.pinned:

@@ -83,6 +83,7 @@ class GeneratedExperts(ExpertCache):
         self.layer_slots = list(self.slot_map)
         self.half_life, self.policy, self.step = 0.0, LFRU(self.n_slots, 0.0), 1.0 / max(len(layers), 1)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="waste-generated")
+        self.aio = None                                # ExpertCache's Linux AIO context: nothing is ever read
         self.lock, self.loading, self.stats, self.fill_bytes = threading.Lock(), {}, ExpertStats(), 0
         self.damage, self.prefetch, self.wants_prefetch, self._predicted, self.precision = None, False, False, {}, 1.0
         self._stop, self.fill_thread = threading.Event(), None
