@@ -12,7 +12,8 @@ source "$(dirname "$0")/cuda_call_setup.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD:/tmp/site
 D=/tmp/g4
-[[ -n ${ARMS+x} ]] || ARMS=("--threads 4" "--split 4" "--async-up" "--prefetch" "--jit")
+# ARMS: the timeline's arms, separated by "|" (the first also the py-spy step's)
+IFS="|" read -r -a ARMS <<< "${ARMS:---threads 4|--no-aio|--async-up|--prefetch|--jit}"
 left() { echo $(( LIMIT - SECONDS - ${1:-10} )); }
 if [[ $STEPS == *T* ]]; then
   step "T: the GPU tests, in the background (log: $OUT/gpu_tests.txt)"
@@ -21,14 +22,16 @@ if [[ $STEPS == *T* ]]; then
     tests/test_random_model.py tests/test_gemv_triton.py tests/test_decode_triton.py} > "$OUT/gpu_tests.txt" 2>&1) &
   TPID=$!
 fi
-step "build (once per machine)"
-timeout $(left) python3 -c "
+if [[ $STEPS == *[qtsg]* ]]; then
+  step "build (once per machine)"
+  timeout $(left) python3 -c "
 import sys; sys.path.insert(0, 'benchmarks')
 from pathlib import Path; from gpu_decode import build; print(build(Path('$D'), 4, 'q4'))" 2>&1 | tail -3
+fi
 if [[ $STEPS == *q* ]]; then
   step "q: disk depth"
   timeout $(left) python3 benchmarks/disk_depth.py $D/q30b4-q4.waste/experts --seconds 1 --threads 1,2,4,8 \
-    --split 1,2,4,8 2>&1 | tail -20
+    --split 1,2,4,8 2>&1 | tail -20 | tee "$OUT/depth.txt"
 fi
 if [[ $STEPS == *t* ]]; then
   for r in $(seq 1 ${ROUNDS:-2}); do
@@ -52,7 +55,7 @@ fi
 if [[ $STEPS == *g* ]]; then
   step "g: gpu_decode 4 layers"
   timeout $(left) python3 benchmarks/gpu_decode.py $D --layers 4 -n 24 --experts q4 --variants triton,whole \
-    --budget-frac 0.25 2>&1 | grep -v Warning | tail -8
+    --budget-frac 0.25 2>&1 | grep -v Warning | tail -8 | tee "$OUT/gpu_decode.txt"
 fi
 if [[ -n $TPID ]]; then
   wait $TPID; step "T: the GPU tests"

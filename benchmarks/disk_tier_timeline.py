@@ -12,6 +12,7 @@ the GPU's own time. Prints per-piece medians and means per layer call, and the d
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -54,7 +55,6 @@ def wrap(obj, attr: str, name: str) -> None:
 def split_reads(pieces: int) -> None:
     """Arm: each record read as `pieces` O_DIRECT preads in flight at once (a pool of its own), not one."""
     from concurrent.futures import ThreadPoolExecutor
-    import os
     pool = ThreadPoolExecutor(4 * pieces, thread_name_prefix="piece")
 
     def read(self, expert, slot, verify=True):
@@ -101,6 +101,17 @@ def async_up() -> None:
 
 def instrument() -> None:
     read = bankio.BankReader.read
+    landed = getattr(cache.ExpertCache, "_landed_direct", None)
+
+    def timed_landed(self, key, slot, fut, t0, res):      # a Linux AIO read: io_submit -> reaped, then its landing
+        t1 = time.perf_counter()
+        try:
+            return landed(self, key, slot, fut, t0, res)
+        finally:
+            mark("aio read (submit -> reaped)", t0, t1)
+            mark("aio landing (check, land)", t1, time.perf_counter())
+    if landed is not None:
+        cache.ExpertCache._landed_direct = timed_landed
 
     def timed_read(self, expert, slot, verify=True):      # the pread apart from the checksum
         t0 = time.perf_counter()
@@ -143,6 +154,7 @@ def main() -> None:
     ap.add_argument("--prefetch", action="store_true", help="next-layer prefetch on (waste.load's prefetch)")
     ap.add_argument("--split", type=int, default=1, help="arm: a record read as this many preads at once")
     ap.add_argument("--async-up", action="store_true", help="arm: the copies up to the GPU without a host wait")
+    ap.add_argument("--no-aio", action="store_true", help="arm: demand reads on the reader threads (WASTE_AIO=0)")
     ap.add_argument("--jit", action="store_true", help="arm: every triton launch through triton's JIT (no Fast)")
     ap.add_argument("--device", default="cuda", help="cpu: the same pieces without a GPU (to try the script)")
     a = ap.parse_args()
@@ -153,6 +165,8 @@ def main() -> None:
         split_reads(a.split)
     if a.async_up:
         async_up()
+    if a.no_aio:
+        os.environ["WASTE_AIO"] = "0"
     if a.jit:
         from waste import triton_launch
         triton_launch.ENABLED = False
@@ -210,7 +224,7 @@ def main() -> None:
     read = (st.bytes_read - snap[0].bytes_read) / calls
     med = statistics.median(steps)
     print(f"{a.layers} layers q4, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.2f} GB bank, {a.threads} "
-          f"reader threads, split {a.split}, async up {a.async_up}, jit {a.jit}, prefetch {'on' if a.prefetch else 'off'} (precision {st.predicted_right / max(st.predicted, 1):.2f}, "
+          f"reader threads, split {a.split}, async up {a.async_up}, jit {a.jit}, AIO {not a.no_aio}, prefetch {'on' if a.prefetch else 'off'} (precision {st.predicted_right / max(st.predicted, 1):.2f}, "
           f"recall {st.predicted_right / max(st.predicted_needed, 1):.2f}), page cache dropped: {drop}; disk (8 MiB O_DIRECT reads) {disk / 1e9:.2f} GB/s", flush=True)
     print(f"decode {1 / med:.1f} tok/s ({1e3 * med:.2f} ms a token median); {read / 1e6:.1f} MB read a token "
           f"({read / eng.experts.record_bytes:.2f} records); disk bound {disk / read:.1f} tok/s "
@@ -234,7 +248,7 @@ def gaps(marks) -> None:
     before its first read starts, between the last read's end and the call's end (the tail)."""
     main = threading.main_thread().ident
     mlps = sorted((t0, t1) for n, th, t0, t1 in marks if n == "mlp call" and th == main)
-    reads = sorted((t0, t1) for n, _, t0, t1 in marks if n == "pread")
+    reads = sorted((t0, t1) for n, _, t0, t1 in marks if n in ("pread", "aio read (submit -> reaped)"))
     between = [1e3 * (b[0] - a[1]) for a, b in zip(mlps, mlps[1:]) if b[0] - a[1] < 0.05]
     first, tail, span, busy = [], [], [], []
     for t0, t1 in mlps:

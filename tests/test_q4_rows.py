@@ -52,7 +52,9 @@ def test_device_layout_rewrites_only_the_slots_given():
     pad = layout.record_bytes - layout.payload_bytes
     rows = torch.stack([torch.nn.functional.pad(torch.from_numpy(layout.pack(r)), (0, pad)) for r in recs])
     before = rows.clone()
-    q4_rows.device_layout(layout, fmt)(rows, [2, 0])
+    on = rows.to(DEV)          # the rewrite is a launch: the slab on the device its kernels run on
+    q4_rows.device_layout(layout, fmt)(on, [2, 0])
+    rows = on.cpu()
     assert torch.equal(rows[1], before[1])
     for s in (0, 2):
         views, was = layout.views(rows[s]), layout.views(before[s])
@@ -104,3 +106,4 @@ def test_pairs_and_their_sum_match_unpacked_matrices(fmt, h, inter, limit, gate_
         # float32 sums over exact nibbles; the gate and up rows rounded to bf16 on either side (2^-8 each)
         assert rel(y[j], ref[j]) < 1e-2, (j, rel(y[j], ref[j]))
     assert torch.equal(y[0], y[4])
+

@@ -77,6 +77,16 @@ def test_expert_parallel_over_two_gpus_is_bit_identical(specs, tmp_path):
     one_and_two_processes([f"{n}={s}" for n, s in specs.items()], tmp_path, "cuda")
 
 
+def test_a_generated_store_queues_no_reads(specs):
+    """A residency call outside the one-row GPU path (a prompt's rows, on a GPU) reaches the read queueing with no
+    misses: a generated store has no bank readers, so it must return before looking one up (it raised KeyError)."""
+    with Engine.load(specs["qwen3_moe_q4"]) as eng:
+        ex = eng.experts
+        layer = next(iter(ex.owned))
+        assert ex._make_resident(layer, [0, 1]) == {}
+        assert ex.stats.misses == 0
+
+
 def test_bench_takes_a_random_model(specs):
     r = subprocess.run([sys.executable, "-m", "waste", "bench", specs["qwen3_moe_q4"], "-n", "4", "--prompt-len", "8",
                         "--json"], capture_output=True, text=True, env=ENV, timeout=300)

@@ -222,8 +222,10 @@ class ExpertCache:
     def _queue_direct(self, layer: int, misses: list[int], slots: list[int]) -> dict[int, Future]:
         """Queue a layer call's reads through Linux AIO from this thread; returns those the kernel took (the
         pool reads the rest). Each lands on the reaper thread (_landed_direct)."""
+        if self.aio is None or not misses:      # (a store with nothing to read has no readers: GeneratedExperts)
+            return {}
         reader = self.readers[layer]
-        if self.aio is None or not reader.direct or not misses:
+        if not reader.direct:
             return {}
         if self.tier is not None:      # a slot's old record may still be on its way up
             self.tier.sync()
