@@ -1,8 +1,8 @@
 """Fold a `py-spy record --idle -f raw` profile into inclusive shares per function, for the samples whose stack holds
-a frame matching --under (default: gpu_decode.py's decode loop), on the thread that runs it.
+a frame matching --under (default: disk_tier_timeline.py's timed steps), on the thread that runs it.
 
     py-spy record --idle -r 1000 -f raw -o spy.txt -- python benchmarks/disk_tier_timeline.py ...
-    python benchmarks/spy_fold.py spy.txt [--under 'decode \\(gpu_decode'] [--top 45]
+    python benchmarks/spy_fold.py spy.txt [--under timed_step] [--top 45]
 
 Each function's share counts a sample once however deep it recurs; `(self)` lines are leaf frames. Not a test.
 """
@@ -16,7 +16,7 @@ from collections import Counter
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("raw")
-    ap.add_argument("--under", default=r"decode \(gpu_decode")
+    ap.add_argument("--under", default="timed_step")
     ap.add_argument("--top", type=int, default=45)
     a = ap.parse_args()
     under, incl, leaf, total = re.compile(a.under), Counter(), Counter(), 0
