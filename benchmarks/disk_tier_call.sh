@@ -1,10 +1,10 @@
 #!/bin/bash
 # Issue 14 item 4(c) on the GPU machine: where a token's time goes when experts are read from disk (docs/LEARNED.md
-# §10m). STEPS, in order:
+# §10m, §10n). STEPS, in order:
 #   q  the disk by request size and requests in flight (benchmarks/disk_depth.py) on the 4-layer bank
 #   t  the timeline of the disk arm (benchmarks/disk_tier_timeline.py), arms ARMS (its flags) interleaved, ROUNDS rounds (2)
 #   s  the timeline's first arm under py-spy (its wheel carried in .whl), folded by benchmarks/spy_fold.py
-#   g  gpu_decode.py's 4 layers: eager and whole-graph resident steps, and its disk arm
+#   g  gpu_decode.py's 4 layers: eager and whole-graph resident steps, its disk arm cut into graphs and eager (GROUNDS rounds)
 #   T  the GPU tests (TESTS, TEST_LIMIT), in the background from the start; their output at the end
 #   bash benchmarks/disk_tier_call.sh OUT [STEPS] [LIMIT]   (repository root; wheels carried in .whl)
 DEF_STEPS=qtg DEF_LIMIT=570
@@ -13,7 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=$PWD:/tmp/site
 D=/tmp/g4
 # ARMS: the timeline's arms, separated by "|" (the first also the py-spy step's)
-IFS="|" read -r -a ARMS <<< "${ARMS:---threads 4|--no-aio|--async-up|--prefetch|--jit}"
+IFS="|" read -r -a ARMS <<< "${ARMS:---threads 4|--no-cut|--sync-up|--prefetch}"
 left() { echo $(( LIMIT - SECONDS - ${1:-10} )); }
 if [[ $STEPS == *T* ]]; then
   step "T: the GPU tests, in the background (log: $OUT/gpu_tests.txt)"
@@ -55,7 +55,7 @@ fi
 if [[ $STEPS == *g* ]]; then
   step "g: gpu_decode 4 layers"
   timeout $(left) python3 benchmarks/gpu_decode.py $D --layers 4 -n 24 --experts q4 --variants triton,whole \
-    --budget-frac 0.25 2>&1 | grep -v Warning | tail -8 | tee "$OUT/gpu_decode.txt"
+    --budget-frac 0.25 --rounds ${GROUNDS:-3} 2>&1 | grep -v Warning | tail -12 | tee "$OUT/gpu_decode.txt"
 fi
 if [[ -n $TPID ]]; then
   wait $TPID; step "T: the GPU tests"

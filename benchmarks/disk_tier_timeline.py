@@ -1,6 +1,6 @@
 """Where a GPU decode step's time goes when experts miss the budget and are read from disk (issue 14 item 4(c)).
 
-    python benchmarks/disk_tier_timeline.py DIR [--layers 4] [-n 24] [--budget-frac 0.25] [--threads 4]
+    python benchmarks/disk_tier_timeline.py DIR [--layers 4] [-n 24] [--budget-frac 0.25] [--threads 4] [ARM flags]
 
 Builds (or reuses) gpu_decode.py's container DIR/q30b{layers}-q4.waste, drops the page cache, loads it on the GPU
 with an expert budget of --budget-frac of the bank and decodes -n tokens fed seeded random ids, as gpu_decode.py's
@@ -72,31 +72,17 @@ def split_reads(pieces: int) -> None:
     bankio.BankReader.read = read
 
 
-def async_up() -> None:
-    """Arm: the mirror's copies up without a host wait (pinned slab, non_blocking), one event per flush that a
-    later read into the same host slot waits for."""
-    flush, rd = cache.ExpertCache._flush, cache.ExpertCache._read
+def sync_up() -> None:
+    """Arm: the mirror's copies up with a host wait (what main did before §10n: the host waited for the copy and
+    for every launch queued before it)."""
+    flush = cache.ExpertCache._flush
 
     def _flush(self):
-        if self.tiered:
-            return flush(self)
-        with self.lock:
-            dirty, self._dirty = sorted(self._dirty), set()
-        if dirty:
-            rows, dev = self.slab.view(self.n_slots, self.record_bytes), self.dev_slab.view(self.n_slots, -1)
-            for s in dirty:
-                dev[s].copy_(rows[s], non_blocking=True)
-            if self.dev_layout is not None:
-                self.dev_layout(dev, dirty)
-            self._up_event = torch.cuda.Event()
-            self._up_event.record()
-
-    def _read(self, key, slot):
-        ev = getattr(self, "_up_event", None)
-        if ev is not None:
-            ev.synchronize()
-        return rd(self, key, slot)
-    cache.ExpertCache._flush, cache.ExpertCache._read = _flush, _read
+        dirty = bool(self._dirty)
+        flush(self)
+        if dirty and not self.tiered:
+            torch.cuda.current_stream().synchronize()
+    cache.ExpertCache._flush = _flush
 
 
 def instrument() -> None:
@@ -153,7 +139,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--prefetch", action="store_true", help="next-layer prefetch on (waste.load's prefetch)")
     ap.add_argument("--split", type=int, default=1, help="arm: a record read as this many preads at once")
-    ap.add_argument("--async-up", action="store_true", help="arm: the copies up to the GPU without a host wait")
+    ap.add_argument("--sync-up", action="store_true", help="arm: the copies up to the GPU with a host wait")
+    ap.add_argument("--no-cut", action="store_true", help="arm: the step eager, not graphs cut at the MoE layers")
+    ap.add_argument("--no-early", action="store_true", help="arm: a record's experts computed after its checksum")
+    ap.add_argument("--eager-rewrite", action="store_true", help="arm: the q4 rewrite as torch operators, no graph")
     ap.add_argument("--no-aio", action="store_true", help="arm: demand reads on the reader threads (WASTE_AIO=0)")
     ap.add_argument("--jit", action="store_true", help="arm: every triton launch through triton's JIT (no Fast)")
     ap.add_argument("--device", default="cuda", help="cpu: the same pieces without a GPU (to try the script)")
@@ -163,8 +152,11 @@ def main() -> None:
     out = build(a.dir, a.layers, "q4")
     if a.split > 1:
         split_reads(a.split)
-    if a.async_up:
-        async_up()
+    if a.sync_up:
+        sync_up()
+    if a.eager_rewrite:
+        from waste.layers import q4_rows
+        q4_rows.GRAPHED = 0
     if a.no_aio:
         os.environ["WASTE_AIO"] = "0"
     if a.jit:
@@ -179,10 +171,16 @@ def main() -> None:
     with waste.load(out, device=a.device, dtype="bfloat16", threads=a.threads, prefetch=a.prefetch,
                     budget=int(bank_bytes * a.budget_frac)) as eng:
         m, gpu, cuda = eng.model, [], a.device != "cpu"
+        if a.no_cut and m.graphs is not None:
+            m.graphs.cut_on = False
+        if a.no_early:
+            eng.experts.early_compute = False
         mlp = m.mlp_many
 
         def timed_mlp(i, xs, hs=None):
             t0 = time.perf_counter()
+            if m.graphs is not None and m.graphs.cutting:     # inside a cut step's warm-up or capture: no marks
+                return mlp(i, xs, hs)
             if not cuda:
                 y = mlp(i, xs, hs)
                 mark("mlp call", t0, time.perf_counter())
@@ -224,7 +222,7 @@ def main() -> None:
     read = (st.bytes_read - snap[0].bytes_read) / calls
     med = statistics.median(steps)
     print(f"{a.layers} layers q4, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.2f} GB bank, {a.threads} "
-          f"reader threads, split {a.split}, async up {a.async_up}, jit {a.jit}, AIO {not a.no_aio}, prefetch {'on' if a.prefetch else 'off'} (precision {st.predicted_right / max(st.predicted, 1):.2f}, "
+          f"reader threads, split {a.split}, sync up {a.sync_up}, cut graphs {not a.no_cut}, early compute {not a.no_early}, graphed rewrite {not a.eager_rewrite}, jit {a.jit}, AIO {not a.no_aio}, prefetch {'on' if a.prefetch else 'off'} (precision {st.predicted_right / max(st.predicted, 1):.2f}, "
           f"recall {st.predicted_right / max(st.predicted_needed, 1):.2f}), page cache dropped: {drop}; disk (8 MiB O_DIRECT reads) {disk / 1e9:.2f} GB/s", flush=True)
     print(f"decode {1 / med:.1f} tok/s ({1e3 * med:.2f} ms a token median); {read / 1e6:.1f} MB read a token "
           f"({read / eng.experts.record_bytes:.2f} records); disk bound {disk / read:.1f} tok/s "

@@ -200,17 +200,28 @@ def main() -> None:
             print(f"disk: O_DIRECT reads of the bank files at {disk / 1e9:.2f} GB/s (page cache dropped: {drop}); "
                   "decode fed seeded random ids", flush=True)
             with waste.load(out, device="cuda", dtype="bfloat16", budget=int(bank_bytes * a.budget_frac)) as eng:
-                snap = []
-                steps, _ = decode(eng.model, a.n, torch.Generator().manual_seed(0),
-                                  lambda: snap.append(eng.experts.stats.snapshot()))
-                st = eng.experts.stats
-                read = (st.bytes_read - snap[0].bytes_read) / (len(steps) + 8)
-                med = statistics.median(steps)
-                print(f"{a.layers} layers, {fmt} experts, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.1f} GB "
-                      f"bank (pinned host slab: {eng.experts.pinned}): {1 / med:.1f} tok/s ({1e3 * med:.1f} ms per "
-                      f"token); {read / 1e6:.0f} MB read per token on average; at the disk's {disk / 1e9:.2f} GB/s "
-                      f"measured here that is a bound of {disk / max(read, 1):.1f} tok/s ({read / med / disk * 100:.0f}%"
-                      f" of it), at 55 GB/s pinned {55e9 / max(read, 1):.0f}", flush=True)
+                # arms interleaved in rounds: the step as graphs cut at the MoE layers (main), and eager
+                res: dict[str, list] = {}
+                for r in range(a.rounds):
+                    for arm in ("cut graphs", "eager"):
+                        if eng.model.graphs is not None:
+                            eng.model.graphs.cut_on = arm == "cut graphs"
+                        snap = []
+                        steps, _ = decode(eng.model, a.n, torch.Generator().manual_seed(r),
+                                          lambda: snap.append(eng.experts.stats.snapshot()))
+                        st = eng.experts.stats
+                        read = (st.bytes_read - snap[0].bytes_read) / (len(steps) + 8)
+                        med = statistics.median(steps)
+                        res.setdefault(arm, []).append(1 / med)
+                        print(f"{a.layers} layers, {fmt} experts, budget {a.budget_frac:.2f} of the "
+                              f"{bank_bytes / 1e9:.1f} GB bank (pinned host slab: {eng.experts.pinned}), {arm}, round "
+                              f"{r + 1}: {1 / med:.1f} tok/s ({1e3 * med:.1f} ms per token); {read / 1e6:.1f} MB read "
+                              f"per token on average ({read / med / 1e9:.2f} GB/s); at the disk's {disk / 1e9:.2f} GB/s measured here that is a "
+                              f"bound of {disk / max(read, 1):.1f} tok/s ({read / med / disk * 100:.0f}% of it), at 55 "
+                              f"GB/s pinned {55e9 / max(read, 1):.0f}", flush=True)
+                for arm, v in res.items():
+                    print(f"disk arm {arm}: median {statistics.median(v):.1f} tok/s over {len(v)} rounds "
+                          f"({min(v):.1f}-{max(v):.1f})", flush=True)
         if a.vram_frac:
             tier_arms(out, fmt, bank_bytes, man["experts"]["record_bytes"], a)
             vram_used = torch.cuda.max_memory_allocated()

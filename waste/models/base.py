@@ -76,7 +76,8 @@ class DecoderModel:
         make_bank = getattr(experts, "make_bank", None)
         self.bank = make_bank(self.device) if make_bank is not None and self.moe else None
         self.kernel = kernel_for(self.bank.fmt, self.device) if self.bank is not None else None
-        # a GPU decode step is replayed as CUDA graphs once every expert is resident (graphs.py)
+        # a GPU decode step is replayed as CUDA graphs: whole once every expert is resident, else cut at the MoE
+        # layers, whose MLPs run eagerly between the graphs (graphs.py)
         self.graphs = DecodeGraphs(self, DecoderModel.mlp_many) if self.device.type == "cuda" and self.bank is not None \
             else None
         self._pool: list[list] = []             # states of finished sequences, emptied (take_state)
@@ -179,6 +180,8 @@ class DecoderModel:
             with timer.section("trunk matvec"):
                 return [self.ffn(x, lw, "mlp.") for x in xs]
         if self.graphs is not None and len(xs) == 1:
+            if self.graphs.cutting:          # a step cut here into graphs: this MLP runs between them (graphs.py)
+                return [self.graphs.cut(i, xs[0], hs[0] if hs else None)]
             y = self.graphs.mlp(i, xs[0])
             if y is not None:
                 return [y]

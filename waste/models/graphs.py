@@ -9,8 +9,14 @@ slots looked up on the GPU), so a one-row decode step has fixed shapes except fo
 - MoE layers only: elsewhere (other families, or a step the whole-step graph cannot take) each MoE layer's one-row
   MLP is captured once and replayed; attention stays eager, except where a layer's state has fixed shapes (KDA's:
   the family's `fixed_state`): that whole layer's one-row step is captured and replayed (docs/LEARNED.md §10i).
+- Cut at the MoE layers (a store that still reads experts: the disk or host tier): the same fixed-shape step is
+  captured as a chain of graphs, one from the step's start to the first MoE layer's MLP input, one between each
+  MoE layer and the next, one to the logits. Replayed in order, each MoE layer's MLP runs eagerly between two of
+  them (its ids go to the host, its misses are read and land group by group) and writes its output into a buffer
+  the next graph reads. The graphs share one pool and are replayed in capture order, so a tensor live across a cut
+  (the residual stream, the MLP's input) keeps its address (docs/LEARNED.md §10n).
 Anything that watches the step from the host (a benchmark's routing stand-in, route or predict traces, the
-profiler's timer), a batch of sequences, or a store that still reads experts keeps the eager path.
+profiler's timer) or a batch of sequences keeps the eager path.
 """
 from __future__ import annotations
 
@@ -38,18 +44,34 @@ class DecodeGraphs:
         self.capturing = False
         self.whole = True               # whole-step graphs where the family allows (the benchmark turns them off)
         self.layers_on = True           # whole layers' graphs where the state allows (the benchmark turns them off)
+        self.cut_on = True              # steps cut at the MoE layers where experts stream (the benchmark's arm)
+        self.cutting = None             # inside a cut step's warm-up ("warm") or capture ("capture"): see cut()
+        self._open = None               # the graph being captured between two cuts
+        self._cuts: list = []
+        self._segs: list = []
 
     @property
     def model(self):
         return self._model()
 
-    def usable(self) -> bool:
+    def watched(self) -> bool:
+        """Whether something reads the step from the host (or a capture is under way): no graph then."""
         m = self.model
-        if self.capturing or m.router is not None or m.route_trace is not None or m.predict_trace is not None \
-                or m.timer is not NO_TIMER:
+        return self.capturing or m.router is not None or m.route_trace is not None or m.predict_trace is not None \
+            or m.timer is not NO_TIMER
+
+    def usable(self) -> bool:
+        if self.watched():
             return False
-        dm = getattr(m.experts, "device_map", None)
+        dm = getattr(self.model.experts, "device_map", None)
         return dm is not None and dm() is not None
+
+    def cut_usable(self) -> bool:
+        """A step whose experts stream can be replayed as graphs cut at its MoE layers: the base MLP (a family's
+        own additions around it would fall inside a graph), one process's store (expert parallel exchanges rows)."""
+        m = self.model
+        return self.cut_on and not self.watched() and type(m).mlp_many is self._base_mlp \
+            and not hasattr(m.experts, "exchange") and getattr(m.experts, "device_map", None) is not None
 
     def _capture(self, fn, stats_from):
         """Warm fn up on a side stream (triton compiles, the allocator fills), then capture it: (graph, output).
@@ -133,13 +155,17 @@ class DecodeGraphs:
 
     # -- the whole step ----------------------------------------------------------------------------
     def step(self, items: list, last_only: bool) -> list[torch.Tensor] | None:
-        """One sequence's one-row decode step by replaying its captured graph: the logits (on the host), with the
-        sequence's state advanced by the row; None where the eager step must run."""
+        """One sequence's one-row decode step by replaying its captured graph (or its chain of graphs cut at the MoE
+        layers, where experts stream): the logits (on the host), with the sequence's state advanced by the row;
+        None where the eager step must run."""
         m = self.model
         if not self.whole or len(items) != 1:
             return None
         ids, state, start, *rows = items[0]
-        if ids.shape[0] != 1 or (rows and rows[0] is not None) or not self.usable():
+        if ids.shape[0] != 1 or (rows and rows[0] is not None):
+            return None
+        whole = self.usable()
+        if not whole and not self.cut_usable():
             return None
         key = m.graph_state(state, start)
         if key is None:
@@ -147,7 +173,7 @@ class DecodeGraphs:
         L = -(-(start + 1) // BUCKET) * BUCKET
         cap = min(b.shape[0] for s in state for b in s.buffers())
         L = min(L, cap)
-        g = self.steps.get((key, L))
+        g = self.steps.get((key, L, whole))
         if g is None:
             gid = torch.zeros(1, dtype=torch.long, device=m.device)
             gpos = torch.full((1,), start, dtype=torch.long, device=m.device)
@@ -156,19 +182,86 @@ class DecodeGraphs:
             def run():
                 return m.step_logits([(gid, list(state), start)], last_only, static=(gpos, L))[0]
 
-            graph, logits = self._capture(run, m.experts)
-            g = self.steps[(key, L)] = (gid, gpos, graph, logits)
+            if whole:
+                graph, logits = self._capture(run, m.experts)
+                graphs, cuts = [graph], []
+            else:
+                graphs, cuts, logits = self._capture_cut(run, m.experts)
+            g = self.steps[(key, L, whole)] = (gid, gpos, graphs, cuts, logits)
             while len(self.steps) > MAX_STEP_GRAPHS:
                 self.steps.popitem(last=False)
         else:
-            self.steps.move_to_end((key, L))
-        gid, gpos, graph, logits = g
+            self.steps.move_to_end((key, L, whole))
+        gid, gpos, graphs, cuts, logits = g
         gid.copy_(ids)
         gpos.fill_(start)
-        graph.replay()
+        graphs[0].replay()
+        for (i, x, h, y), graph in zip(cuts, graphs[1:]):
+            # the MoE layer's MLP, eagerly (through the instance's mlp_many, as the eager step calls it)
+            y.copy_(m.mlp_many(i, [x], None if h is None else [h])[0])
+            graph.replay()
         for i in range(len(state)):          # the rows the replay put: the states' host-side lengths follow
             state[i] = state[i].advance(1)
-        for i, dense in enumerate(m.dense):
-            if not dense:
-                m.experts.count_hits(i, m.top_k)
+        if whole:
+            for i, dense in enumerate(m.dense):
+                if not dense:
+                    m.experts.count_hits(i, m.top_k)
         return [logits.cpu()]
+
+    # -- a step cut at its MoE layers --------------------------------------------------------------
+    def cut(self, i: int, x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+        """MoE layer i's MLP of one row x inside a cut step's warm-up (run eagerly) or capture: the graph so far
+        ends here with x and h (its residual stream, for next-layer prefetch) among its outputs, the next one starts
+        reading the MLP's output from a buffer the replay fills."""
+        m = self.model
+        if self.cutting == "warm":
+            self.cutting = None
+            try:
+                return m.mlp_many(i, [x], None if h is None else [h])[0]
+            finally:
+                self.cutting = "warm"
+        self._open.capture_end()
+        self._segs.append(self._open)
+        with torch.cuda.stream(self._outer):     # not a graph's memory: written between replays
+            y = torch.empty_like(x)
+        self._cuts.append((i, x, h, y))
+        self._open = torch.cuda.CUDAGraph()
+        self._open.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        return y
+
+    def _capture_cut(self, run, stats_from):
+        """Warm a cut step up twice (its MoE layers eager: real reads), then capture it as a chain of graphs:
+        (graphs, cuts [(layer, x, h, y)], logits). The calls are no tokens: the store's counters are put back."""
+        stats = stats_from.stats
+        before = dataclasses.replace(stats, per_layer={k: list(v) for k, v in stats.per_layer.items()})
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        self._outer = torch.cuda.current_stream()
+        gc.collect()
+        gc_was = gc.isenabled()
+        gc.disable()
+        side = torch.cuda.Stream()
+        try:
+            side.wait_stream(self._outer)
+            with torch.cuda.stream(side):
+                self.cutting = "warm"
+                for _ in range(2):
+                    run()
+            self._outer.wait_stream(side)
+            torch.cuda.synchronize()
+            self.cutting, self.capturing, self._segs, self._cuts = "capture", True, [], []
+            with torch.cuda.stream(side):
+                self._open = torch.cuda.CUDAGraph()
+                self._open.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    logits = run()
+                finally:
+                    self._open.capture_end()     # (after an error too: the stream leaves capture mode)
+                self._segs.append(self._open)
+            return self._segs, self._cuts, logits
+        finally:
+            self._open, self._segs, self._cuts, self.cutting, self.capturing = None, [], [], None, False
+            if gc_was:
+                gc.enable()
+            for f in dataclasses.fields(stats):
+                setattr(stats, f.name, getattr(before, f.name))
