@@ -6,6 +6,7 @@
 #   s  the timeline's first arm under py-spy (its wheel carried in .whl), folded by benchmarks/spy_fold.py
 #   g  gpu_decode.py's 4 layers: eager and whole-graph resident steps, its disk arm cut into graphs and eager (GROUNDS rounds)
 #   T  the GPU tests (TESTS, TEST_LIMIT), in the background from the start; their output at the end
+#   F  the same tests in the foreground after the measurements (figures taken on a quiet machine)
 #   bash benchmarks/disk_tier_call.sh OUT [STEPS] [LIMIT]   (repository root; wheels carried in .whl)
 DEF_STEPS=qtg DEF_LIMIT=570
 source "$(dirname "$0")/cuda_call_setup.sh"
@@ -15,11 +16,15 @@ D=/tmp/g4
 # ARMS: the timeline's arms, separated by "|" (the first also the py-spy step's)
 IFS="|" read -r -a ARMS <<< "${ARMS:---threads 4|--no-cut|--sync-up|--prefetch}"
 left() { echo $(( LIMIT - SECONDS - ${1:-10} )); }
+gpu_tests() {
+  timeout ${1:-330} nice python3 -m pytest -rA -p no:cacheprovider ${TESTS:-tests/test_q4_int8_rows.py \
+    tests/test_cuda.py tests/test_vram_tier.py tests/test_cuda_families.py tests/test_static_decode.py \
+    tests/test_random_model.py tests/test_gemv_triton.py tests/test_decode_triton.py tests/test_q4_rows.py} \
+    > "$OUT/gpu_tests.txt" 2>&1
+}
 if [[ $STEPS == *T* ]]; then
   step "T: the GPU tests, in the background (log: $OUT/gpu_tests.txt)"
-  (timeout ${TEST_LIMIT:-330} nice python3 -m pytest -rA -p no:cacheprovider ${TESTS:-tests/test_q4_int8_rows.py \
-    tests/test_cuda.py tests/test_vram_tier.py tests/test_cuda_families.py tests/test_static_decode.py \
-    tests/test_random_model.py tests/test_gemv_triton.py tests/test_decode_triton.py} > "$OUT/gpu_tests.txt" 2>&1) &
+  gpu_tests ${TEST_LIMIT:-330} &
   TPID=$!
 fi
 if [[ $STEPS == *[qtsg]* ]]; then
@@ -55,10 +60,15 @@ fi
 if [[ $STEPS == *g* ]]; then
   step "g: gpu_decode 4 layers"
   timeout $(left) python3 benchmarks/gpu_decode.py $D --layers 4 -n 24 --experts q4 --variants triton,whole \
-    --budget-frac 0.25 --rounds ${GROUNDS:-3} 2>&1 | grep -v Warning | tail -12 | tee "$OUT/gpu_decode.txt"
+    --budget-frac 0.25 --rounds ${GROUNDS:-3} 2>&1 | grep -v Warning | tail -14 | tee "$OUT/gpu_decode.txt"
 fi
-if [[ -n $TPID ]]; then
-  wait $TPID; step "T: the GPU tests"
+if [[ $STEPS == *F* ]]; then
+  step "F: the GPU tests (log: $OUT/gpu_tests.txt)"
+  gpu_tests $(left 5)
+fi
+if [[ -n $TPID || $STEPS == *F* ]]; then
+  [[ -n $TPID ]] && wait $TPID
+  step "the GPU tests"
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_tests.txt" | tail -40
 fi
 step done
