@@ -119,7 +119,8 @@ def test_a_streamed_step_cut_into_graphs_matches_eager(container, fmt, dtype, vr
                 if mode == "static":
                     L = min(-(-(pos + 1) // BUCKET) * BUCKET, min(b.shape[0] for s in st for b in s.buffers()))
                     at = torch.tensor([pos], device="cuda")
-                    lasts.append(m.step_logits([(torch.tensor([t]), st, pos)], static=(at, L))[0].cpu())
+                    with torch.inference_mode():        # as step() runs it
+                        lasts.append(m.step_logits([(torch.tensor([t]), st, pos)], static=(at, L))[0].cpu())
                 else:
                     lasts.append(m.forward(torch.tensor([t]), st, pos, last_only=True))
             moved = eng.experts.tier_copies if vram else eng.experts.stats.misses

@@ -223,7 +223,8 @@ def device_layout(layout, fmt):
         if g is None:
             # plain torch operators (no library handles to warm up): captured without running, so no live record
             # is touched; the slot ids are the graph's input
-            sl = torch.zeros(n, dtype=torch.long, device=rows.device)
+            with torch.inference_mode(False):    # a normal tensor: written in place under inference mode or not
+                sl = torch.zeros(n, dtype=torch.long, device=rows.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=torch.cuda.Stream(rows.device), capture_error_mode="thread_local"):
                 body(rows, sl)
