@@ -141,7 +141,6 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=1, help="arm: a record read as this many preads at once")
     ap.add_argument("--sync-up", action="store_true", help="arm: the copies up to the GPU with a host wait")
     ap.add_argument("--no-cut", action="store_true", help="arm: the step eager, not graphs cut at the MoE layers")
-    ap.add_argument("--no-early", action="store_true", help="arm: a record's experts computed after its checksum")
     ap.add_argument("--eager-rewrite", action="store_true", help="arm: the q4 rewrite as torch operators, no graph")
     ap.add_argument("--no-aio", action="store_true", help="arm: demand reads on the reader threads (WASTE_AIO=0)")
     ap.add_argument("--jit", action="store_true", help="arm: every triton launch through triton's JIT (no Fast)")
@@ -173,8 +172,6 @@ def main() -> None:
         m, gpu, cuda = eng.model, [], a.device != "cpu"
         if a.no_cut and m.graphs is not None:
             m.graphs.cut_on = False
-        if a.no_early:
-            eng.experts.early_compute = False
         mlp = m.mlp_many
 
         def timed_mlp(i, xs, hs=None):
@@ -222,7 +219,7 @@ def main() -> None:
     read = (st.bytes_read - snap[0].bytes_read) / calls
     med = statistics.median(steps)
     print(f"{a.layers} layers q4, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.2f} GB bank, {a.threads} "
-          f"reader threads, split {a.split}, sync up {a.sync_up}, cut graphs {not a.no_cut}, early compute {not a.no_early}, graphed rewrite {not a.eager_rewrite}, jit {a.jit}, AIO {not a.no_aio}, prefetch {'on' if a.prefetch else 'off'} (precision {st.predicted_right / max(st.predicted, 1):.2f}, "
+          f"reader threads, split {a.split}, sync up {a.sync_up}, cut graphs {not a.no_cut}, graphed rewrite {not a.eager_rewrite}, jit {a.jit}, AIO {not a.no_aio}, prefetch {'on' if a.prefetch else 'off'} (precision {st.predicted_right / max(st.predicted, 1):.2f}, "
           f"recall {st.predicted_right / max(st.predicted_needed, 1):.2f}), page cache dropped: {drop}; disk (8 MiB O_DIRECT reads) {disk / 1e9:.2f} GB/s", flush=True)
     print(f"decode {1 / med:.1f} tok/s ({1e3 * med:.2f} ms a token median); {read / 1e6:.1f} MB read a token "
           f"({read / eng.experts.record_bytes:.2f} records); disk bound {disk / read:.1f} tok/s "

@@ -1,11 +1,8 @@
 """Demand reads through Linux AIO (runtime/bankio.py's DirectAio, issued from the decoding thread, landed by a
 reaper thread): the same bits as the reader threads whatever order the reads land in, a damaged record still
-stops the step and is read again once asked for, and a clean fallback where AIO or O_DIRECT is missing. Early
-compute (a GPU store's default, forced here on the CPU): a record's experts are computed while its checksum is taken,
-the same bits, and a damaged one still stops the layer call before it returns."""
+stops the step and is read again once asked for, and a clean fallback where AIO or O_DIRECT is missing."""
 import os
 import shutil
-import time
 
 import pytest
 import torch
@@ -70,22 +67,6 @@ def test_reads_land_in_any_order_with_the_same_bits(container, monkeypatch):
     assert on and misses > 0 and torch.equal(reversed_, ref)
 
 
-def _early(monkeypatch):
-    init = ExpertCache.__init__
-
-    def forced(self, *a, **k):
-        init(self, *a, **k)
-        self.early_compute = True
-    monkeypatch.setattr(ExpertCache, "__init__", forced)
-
-
-def test_experts_computed_before_their_checksum_give_the_same_bits(container, monkeypatch):
-    ref, _, _ = decode(container, budget=None)
-    _early(monkeypatch)
-    early, on, misses = decode(container, budget=working_set(container))
-    assert on and misses > 0 and torch.equal(early, ref)
-
-
 def _first_bank(c):
     cont = open_container(c)
     layer = min(cont.banks)
@@ -93,19 +74,7 @@ def _first_bank(c):
     return cont, layer, bank
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_a_damaged_record_under_aio_stops_the_call_and_is_read_again(container, tmp_path, monkeypatch, early):
-    """early: the record is handed to compute before its checksum (slowed here, so it surely is) and the layer call
-    still raises before it returns; otherwise it raises before the record is handed out."""
-    if early:
-        _early(monkeypatch)
-        landed = bankio.BankReader.landed
-
-        def slow(self, expert, record, n, verify=True):
-            if verify:
-                time.sleep(0.2)
-            return landed(self, expert, record, n, verify)
-        monkeypatch.setattr(bankio.BankReader, "landed", slow)
+def test_a_damaged_record_under_aio_stops_the_call_and_is_read_again(container, tmp_path):
     dst = tmp_path / "copy.waste"
     shutil.copytree(container, dst)
     cont, layer, bank = _first_bank(dst)
@@ -119,11 +88,8 @@ def test_a_damaged_record_under_aio_stops_the_call_and_is_read_again(container, 
     try:
         assert cache.aio is not None
         idx = [torch.tensor([[3]])]
-        handed = []
         with pytest.raises(DamagedContainer, match="checksum"):
-            for slots, _ in cache.resident(layer, idx):
-                handed.append(slots[0].item())
-        assert (handed[-1] >= 0) if early else all(s < 0 for s in handed)
+            list(cache.resident(layer, idx))
         assert (layer, 3) not in cache.slot_of and (layer, 3) not in cache.loading    # forgotten
         with open(path, "r+b") as f:
             f.seek(off)

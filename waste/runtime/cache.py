@@ -92,12 +92,6 @@ class ExpertCache:
         self._dirty: set[int] = set()
         self._dev_map: torch.Tensor | None = None      # device_map()
         self._up_event = None      # the last mirror copies' event (_flush, _wait_up)
-        # on a GPU a record read through AIO goes up and is computed on while the reaper takes its CRC-32; the layer
-        # call waits for the check before it returns (a failed one raises there, as before): the check is off the
-        # critical path (~0.25 ms a 2.65 MB record on the H200's host, LEARNED §10n). A CPU store checks first.
-        self.early_compute = self.device.type != "cpu"
-        self._arrived: dict[Future, Future] = {}     # a queued read's checked future -> its arrival (early_compute)
-        self._unchecked: list = []                   # (layer, expert, checked future) launched before the check
         self.slot_of: dict[tuple[int, int], int] = {}
         self.key_of: list[tuple[int, int] | None] = [None] * self.n_slots
         self._held = np.zeros(self.n_slots, dtype=bool)     # key_of[s] is not None, as a mask (_take_slots)
@@ -237,46 +231,29 @@ class ExpertCache:
         futs, reads, t0 = {}, [], time.perf_counter()
         for e, s in zip(misses, slots):
             futs[e] = Future()
-            if self.early_compute:
-                self._arrived[futs[e]] = Future()
             reads.append((*reader.request(e, self.slot_tensor(s)), partial(self._landed_direct, (layer, e), s,
                                                                             futs[e], t0)))
         self._busy(len(reads))
         n = self.aio.submit(reads)
         if n < len(reads):
             self._busy(n - len(reads))
-            for f in list(futs.values())[n:]:      # the pool reads these: no early arrival
-                self._arrived.pop(f, None)
         return dict(list(futs.items())[:n])
 
     def _landed_direct(self, key, slot: int, fut: Future, t0: float, res: int) -> None:
-        """On the reaper: check the record (length, CRC-32) before anything rewrites it, repack it, then land it.
-        early_compute (a GPU): a record of the right length goes up and its experts are launched while its CRC-32 is
-        taken here; the layer call does not return before the check has passed (resident's end, _checked)."""
-        arrived = self._arrived.get(fut)      # (kept until fut is set: the decoding thread may look it up first)
+        """On the reaper: check the record (length, CRC-32) before anything rewrites it, repack it, then land it."""
         try:
             try:
                 if res >= 0:
                     dt = time.perf_counter() - t0
-                    mv = memoryview(self.slot_tensor(slot).numpy())
-                    if arrived is not None:
-                        self.readers[key[0]].landed(key[1], mv, res, verify=False)     # the length
-                        self._prepared(slot)
-                        arrived.set_result(None)
-                    self.readers[key[0]].landed(key[1], mv, res, self.verify)
+                    self.readers[key[0]].landed(key[1], memoryview(self.slot_tensor(slot).numpy()), res, self.verify)
                 else:     # refused at read time or an I/O error: the reader's own pread (its fallback and its error)
                     dt = self.readers[key[0]].read(key[1], self.slot_tensor(slot), self.verify)
             finally:
                 self._busy(-1)
-            if arrived is None or not arrived.done():
-                self._prepared(slot)
+            self._prepared(slot)
         except BaseException as exc:
             fut.set_exception(exc)
             return
-        finally:
-            if arrived is not None and not arrived.done():
-                arrived.set_result(None)
-            self._arrived.pop(fut, None)
         fut.set_result((dt, True))
 
     def _flush(self) -> None:
@@ -430,7 +407,6 @@ class ExpertCache:
         if self._tier_next is not None:   # the layer's kernels are queued: the next layer's guesses go up beside them
             self.tier.prefetch(self._tier_next)
             self._tier_next = None
-        self._checked()
         self.policy.advance(self.step)
 
     def device_map(self) -> torch.Tensor | None:
@@ -542,43 +518,23 @@ class ExpertCache:
         pending = dict(waits)
         while pending:
             t0 = time.perf_counter()
-            # a read whose check is still running counts as landed once it arrived (early_compute)
-            seen = {e: self._arrived.get(f, f) for e, f in pending.items()}
-            done, _ = wait(list(seen.values()), return_when=FIRST_COMPLETED)
+            done, _ = wait(list(pending.values()), return_when=FIRST_COMPLETED)
             self.stats.wait_seconds += time.perf_counter() - t0
-            landed = sorted(e for e, f in seen.items() if f in done)
+            landed = sorted(e for e, f in pending.items() if f in done)
             for e in landed:
                 f = pending.pop(e)
-                if f.done():
-                    self._settle(layer, e, f)
-                else:
-                    self._unchecked.append((layer, e, f))
+                try:
+                    r = f.result()
+                except BaseException:
+                    with self.lock:
+                        self._forget((layer, e))
+                    raise
+                if isinstance(r, tuple) and r[1]:   # our read (fill and prefetch reads are counted apart)
+                    with self.lock:
+                        self.loading.pop((layer, e), None)
+                        self.stats.bytes_read += self.record_bytes
+                        self.stats.read_seconds += r[0]
             yield landed
-
-    def _settle(self, layer: int, e: int, f: Future) -> None:
-        """A read's result: counted where it is ours; a damaged record is forgotten (read again when next needed)
-        and raises."""
-        try:
-            r = f.result()
-        except BaseException:
-            with self.lock:
-                self._forget((layer, e))
-            raise
-        if isinstance(r, tuple) and r[1]:   # our read (fill and prefetch reads are counted apart)
-            with self.lock:
-                self.loading.pop((layer, e), None)
-                self.stats.bytes_read += self.record_bytes
-                self.stats.read_seconds += r[0]
-
-    def _checked(self) -> None:
-        """The layer call's end: every record its experts were launched on before their CRC-32 has passed it."""
-        todo, self._unchecked = self._unchecked, []
-        if todo:
-            t0 = time.perf_counter()
-            wait([f for _, _, f in todo])
-            self.stats.wait_seconds += time.perf_counter() - t0
-        for layer, e, f in todo:
-            self._settle(layer, e, f)
 
     def _forget(self, key) -> None:
         self.loading.pop(key, None)

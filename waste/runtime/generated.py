@@ -74,7 +74,6 @@ class GeneratedExperts(ExpertCache):
         self._mm, self.tiered, self.pinned, self.fits, self.direct = None, False, False, True, False
         self.tier, self.tier_prefetch, self._tier_next = None, False, None       # no VRAM tier: all in the slab
         self._dirty, self._dev_map, self._parts_of_slot, self._up_event = set(), None, {}, None
-        self.early_compute, self._arrived, self._unchecked = False, {}, []      # nothing is ever read
         self.slot_of, self.key_of, self.free = {}, [None] * self.n_slots, []
         self._held = torch.zeros(self.n_slots, dtype=torch.bool).numpy()     # ExpertCache._take_slots's mask
         self._flight_lock, self._in_flight, self._busy_since = threading.Lock(), 0, 0.0   # (no reads: never busy)
