@@ -47,6 +47,7 @@ class DecodeGraphs:
         self.cut_on = True              # steps cut at the MoE layers where experts stream (the benchmark's arm)
         self.cutting = None             # inside a cut step's warm-up ("warm") or capture ("capture"): see cut()
         self._open = None               # the graph being captured between two cuts
+        self._outer = None              # the stream a cut step's capture was started from (its buffers' stream)
         self._cuts: list = []
         self._segs: list = []
 
