@@ -10,6 +10,8 @@ import waste
 class RowsAsGraphs:
     """Stands in for DecodeGraphs: `layer` runs the captured function eagerly on copies, as a replay would."""
 
+    cutting = None      # never inside a cut step's capture
+
     def __init__(self, m):
         self.m, self.calls = m, 0
 
