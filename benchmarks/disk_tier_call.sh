@@ -45,8 +45,8 @@ if [[ $STEPS == *t* ]]; then
       step "t.$r: timeline $args"
       timeout $(left) python3 benchmarks/disk_tier_timeline.py $D --layers 4 -n ${TOKENS:-32} $args \
         > "$OUT/tl.$r.${args// /}.txt" 2>&1
-      if (( r == 1 )); then grep -v -i warn "$OUT/tl.$r.${args// /}.txt" | tail -22
-      else grep -E "^decode|Error|error" "$OUT/tl.$r.${args// /}.txt"; fi
+      if (( r == 1 )); then grep -v -i warn "$OUT/tl.$r.${args// /}.txt" | tail -26
+      else grep -E "^(decode|AIO probe)|Error|error" "$OUT/tl.$r.${args// /}.txt"; fi
     done
   done
 fi
@@ -60,7 +60,7 @@ fi
 if [[ $STEPS == *g* ]]; then
   step "g: gpu_decode 4 layers"
   timeout $(left) python3 benchmarks/gpu_decode.py $D --layers 4 -n 24 --experts q4 --variants triton,whole \
-    --budget-frac 0.25 --rounds ${GROUNDS:-3} 2>&1 | grep -v Warning | tail -14 | tee "$OUT/gpu_decode.txt"
+    --budget-frac 0.25 --rounds ${GROUNDS:-3} 2>&1 | grep -v Warning | tail -20 | tee "$OUT/gpu_decode.txt"
 fi
 if [[ $STEPS == *F* ]]; then
   step "F: the GPU tests (log: $OUT/gpu_tests.txt)"

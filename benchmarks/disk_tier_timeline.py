@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import waste  # noqa: E402
 from waste.container import open_container  # noqa: E402
 from waste.runtime import bankio, cache  # noqa: E402
-from gpu_decode import build, decode, disk_rate  # noqa: E402
+from gpu_decode import aio_probe, build, decode, disk_rate  # noqa: E402
 
 MARKS: list[tuple[str, int, float, float]] = []      # (piece, thread id, start, end)
 ON = threading.Event()
@@ -94,8 +94,9 @@ def instrument() -> None:
         try:
             return landed(self, key, slot, fut, t0, res)
         finally:
+            fut._t_set = t2 = time.perf_counter()     # the future is set: the decoding thread may wake from here
             mark("aio read (submit -> reaped)", t0, t1)
-            mark("aio landing (check, land)", t1, time.perf_counter())
+            mark("aio landing (check, land)", t1, t2)
     if landed is not None:
         cache.ExpertCache._landed_direct = timed_landed
 
@@ -112,7 +113,21 @@ def instrument() -> None:
     wrap(cache.ExpertCache, "_read", "read (thread)")
     wrap(cache.ExpertCache, "_make_resident", "make_resident")
     wrap(cache.ExpertCache, "_flush", "flush (copy up + rewrite)")
-    wrap(cache, "wait", "wait for a read")
+    wrap(bankio.DirectAio, "submit", "aio submit (io_submit)")
+    wait_ = cache.wait
+
+    def timed_wait(fs, *a, **k):          # the decoding thread's wait, and its wake-up after the landing that ended it
+        t0 = time.perf_counter()
+        try:
+            done, rest = wait_(fs, *a, **k)
+        finally:
+            t1 = time.perf_counter()
+            mark("wait for a read", t0, t1)
+        ts = [f._t_set for f in done if hasattr(f, "_t_set")]
+        if ts and min(ts) > t0:
+            mark("wake after a landing", min(ts), t1)
+        return done, rest
+    cache.wait = timed_wait
     res = cache.ExpertCache.resident
 
     def timed_resident(self, *a, **k):     # a generator: each resume to its next yield is the store's time
@@ -124,9 +139,11 @@ def instrument() -> None:
             except StopIteration:
                 mark("resident: after its last group", t0, time.perf_counter())
                 return
-            mark(name, t0, time.perf_counter())
+            t1 = time.perf_counter()
+            mark(name, t0, t1)
             name = "resident: to a later group"          # a read's wait, the copy up
             yield g
+            mark("a group's experts (launches)", t1, time.perf_counter())
     cache.ExpertCache.resident = timed_resident
 
 
@@ -141,9 +158,17 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=1, help="arm: a record read as this many preads at once")
     ap.add_argument("--sync-up", action="store_true", help="arm: the copies up to the GPU with a host wait")
     ap.add_argument("--no-cut", action="store_true", help="arm: the step eager, not graphs cut at the MoE layers")
+    ap.add_argument("--no-group-graphs", action="store_true",
+                    help="arm: each group of a layer's experts launched eagerly, not replayed (row_graphs.py)")
     ap.add_argument("--eager-rewrite", action="store_true", help="arm: the q4 rewrite as torch operators, no graph")
     ap.add_argument("--no-aio", action="store_true", help="arm: demand reads on the reader threads (WASTE_AIO=0)")
     ap.add_argument("--jit", action="store_true", help="arm: every triton launch through triton's JIT (no Fast)")
+    ap.add_argument("--switch", type=float, default=None,
+                    help="arm: sys.setswitchinterval (s): how long a thread waits for the GIL before asking for it")
+    ap.add_argument("--no-verify", action="store_true", help="diagnostic arm: no CRC-32 of the records read")
+    ap.add_argument("--aio-depth", type=int, default=None, help="arm: Linux AIO reads in flight (cache.AIO_DEPTH)")
+    ap.add_argument("--probe", type=float, default=0.4,
+                    help="seconds per depth of the AIO probe (random records, depths 1, 2, 4) before and after decode")
     ap.add_argument("--device", default="cuda", help="cpu: the same pieces without a GPU (to try the script)")
     a = ap.parse_args()
     if a.device == "cpu":
@@ -161,17 +186,24 @@ def main() -> None:
     if a.jit:
         from waste import triton_launch
         triton_launch.ENABLED = False
+    if a.switch is not None:
+        sys.setswitchinterval(a.switch)
+    if a.aio_depth is not None:
+        cache.AIO_DEPTH = a.aio_depth
     instrument()
     drop = subprocess.run("sync && echo 3 > /proc/sys/vm/drop_caches", shell=True).returncode == 0
     banks = sorted(p for p in (out / "experts").iterdir() if p.is_file())
     disk = disk_rate(banks)
     c = open_container(out)
     bank_bytes = c.manifest["experts"]["record_bytes"] * sum(b.num_experts for b in c.banks.values())
+    probes = [aio_probe(c, a.probe)] if a.probe > 0 else []
     with waste.load(out, device=a.device, dtype="bfloat16", threads=a.threads, prefetch=a.prefetch,
-                    budget=int(bank_bytes * a.budget_frac)) as eng:
+                    verify=not a.no_verify, budget=int(bank_bytes * a.budget_frac)) as eng:
         m, gpu, cuda = eng.model, [], a.device != "cpu"
         if a.no_cut and m.graphs is not None:
             m.graphs.cut_on = False
+        if a.no_group_graphs and m.graphs is not None:
+            m.graphs.rows.on = False
         mlp = m.mlp_many
 
         def timed_mlp(i, xs, hs=None):
@@ -215,15 +247,28 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         gpu_ms = [s.elapsed_time(e) for s, e in gpu]
+        if a.probe > 0:
+            probes.append(aio_probe(c, a.probe))
     calls = len(steps) + 8
     read = (st.bytes_read - snap[0].bytes_read) / calls
     med = statistics.median(steps)
-    print(f"{a.layers} layers q4, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.2f} GB bank, {a.threads} "
-          f"reader threads, split {a.split}, sync up {a.sync_up}, cut graphs {not a.no_cut}, graphed rewrite {not a.eager_rewrite}, jit {a.jit}, AIO {not a.no_aio}, prefetch {'on' if a.prefetch else 'off'} (precision {st.predicted_right / max(st.predicted, 1):.2f}, "
-          f"recall {st.predicted_right / max(st.predicted_needed, 1):.2f}), page cache dropped: {drop}; disk (8 MiB O_DIRECT reads) {disk / 1e9:.2f} GB/s", flush=True)
+    arm = (f"{a.threads} reader threads, split {a.split}, sync up {a.sync_up}, cut graphs {not a.no_cut}, group "
+           f"graphs {not a.no_group_graphs}, graphed rewrite {not a.eager_rewrite}, jit {a.jit}, AIO {not a.no_aio}, "
+           f"AIO depth {cache.AIO_DEPTH}, checksums {not a.no_verify}, switch interval {sys.getswitchinterval()} s")
+    print(f"{a.layers} layers q4, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.2f} GB bank, {arm}, prefetch "
+          f"{'on' if a.prefetch else 'off'} (precision {st.predicted_right / max(st.predicted, 1):.2f}, recall "
+          f"{st.predicted_right / max(st.predicted_needed, 1):.2f}), page cache dropped: {drop}; disk (8 MiB O_DIRECT "
+          f"reads) {disk / 1e9:.2f} GB/s", flush=True)
     print(f"decode {1 / med:.1f} tok/s ({1e3 * med:.2f} ms a token median); {read / 1e6:.1f} MB read a token "
           f"({read / eng.experts.record_bytes:.2f} records); disk bound {disk / read:.1f} tok/s "
           f"({read / med / disk * 100:.0f}% of it)", flush=True)
+    for when, pr in zip(("before", "after"), probes):
+        print(f"AIO probe {when} decode (random records, depth: GB/s, ms a record): " + ", ".join(
+            f"{d}: {g:.2f} GB/s {ms:.2f} ms" for d, (g, ms) in pr.items()), flush=True)
+    if probes:
+        best = max(g for pr in probes for g, _ in pr.values())
+        print(f"decode read {read * med ** -1 / 1e9:.2f} GB/s: {100 * read / med / 1e9 / best:.0f}% of the probes' "
+              f"best {best:.2f} GB/s", flush=True)
     by = defaultdict(list)
     for name, _, t0, t1 in MARKS:
         by[name].append(1e3 * (t1 - t0))

@@ -18,10 +18,12 @@ import argparse
 import json
 import mmap
 import os
+import random
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import waste  # noqa: E402
+from waste.container import open_container  # noqa: E402
 from waste.convert.convert import convert  # noqa: E402
 from waste.convert.synthetic import qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
 from waste.layers import moe  # noqa: E402
-from waste.runtime import trace  # noqa: E402
+from waste.runtime import bankio, trace  # noqa: E402
 from waste.timing import count_ops  # noqa: E402
 
 
@@ -79,6 +82,47 @@ def disk_rate(paths: list[Path], limit: int = 4 << 30) -> float:
         finally:
             os.close(fd)
     return n / (time.perf_counter() - t)
+
+
+def aio_probe(c, seconds: float, depths=(1, 2, 4)) -> dict:
+    """The disk as the store's reader sees it: random whole records through Linux AIO (bankio.DirectAio, the
+    reaper thread included), `depths` in flight, `seconds` each, with the decoding thread idle: {depth: (GB/s,
+    median ms from a record's submission to its landing)}. Before and after decode: the bound in the same run."""
+    readers = [bankio.BankReader(b) for b in c.banks.values()]
+    nb = readers[0].bank.record_bytes
+    rng, out = random.Random(os.urandom(8)), {}
+    try:
+        for d in depths:
+            aio, bufs = bankio.DirectAio(d, events=max(8, 2 * d)), [bankio.aligned_buffer(nb) for _ in range(d)]
+            lat, cond, state = [], threading.Condition(), {"n": 0, "left": 0}
+            t_end = time.perf_counter() + seconds
+
+            def go(i):
+                r = rng.choice(readers)
+                t0 = time.perf_counter()
+
+                def done(res, i=i, t0=t0):
+                    lat.append(time.perf_counter() - t0)
+                    with cond:
+                        state["n"] += res == nb
+                        if time.perf_counter() < t_end:
+                            go(i)
+                        else:
+                            state["left"] -= 1
+                            cond.notify_all()
+                aio.submit([(*r.request(rng.randrange(r.bank.num_experts), bufs[i][1]), done)])
+            t0 = time.perf_counter()
+            with cond:
+                state["left"] = d
+                for i in range(d):
+                    go(i)
+                cond.wait_for(lambda: state["left"] == 0)
+            out[d] = (state["n"] * nb / (time.perf_counter() - t0) / 1e9, 1e3 * statistics.median(lat))
+            aio.close()
+    finally:
+        for r in readers:
+            r.close()
+    return out
 
 
 def decode(m, n: int, feed: torch.Generator | None = None, after_prompt=None):
@@ -151,7 +195,8 @@ def main() -> None:
     ap.add_argument("--trace", help="the VRAM tier's arms route by this recorded trace (benchmarks/traces/)")
     ap.add_argument("--replicate-from", type=int, default=0, metavar="N",
                     help="build N layers and repeat them to --layers (48 layers of q4 without a 58 GB bf16 source)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the VRAM tier's arms")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the disk and VRAM tiers' arms")
+    ap.add_argument("--probe", type=float, default=0.4, help="seconds per depth of the disk arm's AIO probe")
     ap.add_argument("--peer", action="store_true", help="also decode with transformers (bf16 on this GPU)")
     ap.add_argument("--offload-peer", action="store_true",
                     help="and with transformers + accelerate offload, its GPU memory capped at the peak the VRAM tier's "
@@ -195,33 +240,7 @@ def main() -> None:
             m.kernel, m.graphs = kernel, graphs
             bank_bytes = eng.experts.n_records * man["experts"]["record_bytes"]
         if a.budget_frac:
-            drop = subprocess.run("sync && echo 3 > /proc/sys/vm/drop_caches", shell=True).returncode == 0
-            disk = disk_rate(sorted(p for p in (out / "experts").iterdir() if p.is_file()))
-            print(f"disk: O_DIRECT reads of the bank files at {disk / 1e9:.2f} GB/s (page cache dropped: {drop}); "
-                  "decode fed seeded random ids", flush=True)
-            with waste.load(out, device="cuda", dtype="bfloat16", budget=int(bank_bytes * a.budget_frac)) as eng:
-                # arms interleaved in rounds: the step as graphs cut at the MoE layers (main), and eager
-                res: dict[str, list] = {}
-                for r in range(a.rounds):
-                    for arm in ("cut graphs", "eager"):
-                        if eng.model.graphs is not None:
-                            eng.model.graphs.cut_on = arm == "cut graphs"
-                        snap = []
-                        steps, _ = decode(eng.model, a.n, torch.Generator().manual_seed(r),
-                                          lambda: snap.append(eng.experts.stats.snapshot()))
-                        st = eng.experts.stats
-                        read = (st.bytes_read - snap[0].bytes_read) / (len(steps) + 8)
-                        med = statistics.median(steps)
-                        res.setdefault(arm, []).append(1 / med)
-                        print(f"{a.layers} layers, {fmt} experts, budget {a.budget_frac:.2f} of the "
-                              f"{bank_bytes / 1e9:.1f} GB bank (pinned host slab: {eng.experts.pinned}), {arm}, round "
-                              f"{r + 1}: {1 / med:.1f} tok/s ({1e3 * med:.1f} ms per token); {read / 1e6:.1f} MB read "
-                              f"per token on average ({read / med / 1e9:.2f} GB/s); at the disk's {disk / 1e9:.2f} GB/s measured here that is a "
-                              f"bound of {disk / max(read, 1):.1f} tok/s ({read / med / disk * 100:.0f}% of it), at 55 "
-                              f"GB/s pinned {55e9 / max(read, 1):.0f}", flush=True)
-                for arm, v in res.items():
-                    print(f"disk arm {arm}: median {statistics.median(v):.1f} tok/s over {len(v)} rounds "
-                          f"({min(v):.1f}-{max(v):.1f})", flush=True)
+            disk_arms(out, fmt, bank_bytes, a)
         if a.vram_frac:
             tier_arms(out, fmt, bank_bytes, man["experts"]["record_bytes"], a)
             vram_used = torch.cuda.max_memory_allocated()
@@ -231,6 +250,51 @@ def main() -> None:
         if a.offload_peer and a.vram_frac:
             peer_transformers(src, 4, gpu_bytes=vram_used)
     shutil.rmtree(src, ignore_errors=True)
+
+
+def disk_arms(out: Path, fmt: str, bank_bytes: int, a) -> None:
+    """An expert budget of --budget-frac of the bank, the rest read from disk; arms in --rounds rounds, their order
+    turned each round, each arm a fresh load after the page cache is dropped (so every arm reads the same records
+    from the same cold store, the feed seeded by the round): the step as graphs cut at the MoE layers with each group
+    of experts a graph (main), the groups eager, the whole step eager. Before each round, the disk as the store's
+    reads see it (aio_probe); each arm's read rate against that probe's best and the 8 MiB one-thread rate."""
+    arms = ("cut graphs", "cut, eager groups", "eager")
+    banks = sorted(p for p in (out / "experts").iterdir() if p.is_file())
+    res: dict[str, list] = {}
+    for r in range(a.rounds):
+        c = open_container(out)
+        try:
+            pr = aio_probe(c, a.probe)
+        finally:
+            c.close()
+        best = max(g for g, _ in pr.values()) * 1e9
+        print(f"round {r + 1}: AIO probe (random records, in flight: GB/s, ms a record) " + ", ".join(
+            f"{d}: {g:.2f} GB/s {ms:.2f} ms" for d, (g, ms) in pr.items()), flush=True)
+        for arm in arms[r % 3:] + arms[:r % 3]:
+            drop = subprocess.run("sync && echo 3 > /proc/sys/vm/drop_caches", shell=True).returncode == 0
+            disk = disk_rate(banks, limit=1 << 30)
+            with waste.load(out, device="cuda", dtype="bfloat16", budget=int(bank_bytes * a.budget_frac)) as eng:
+                if eng.model.graphs is not None:
+                    eng.model.graphs.cut_on = arm != "eager"
+                    eng.model.graphs.rows.on = arm == "cut graphs"
+                snap = []
+                steps, _ = decode(eng.model, a.n, torch.Generator().manual_seed(r),
+                                  lambda: snap.append(eng.experts.stats.snapshot()))
+                st = eng.experts.stats
+                read = (st.bytes_read - snap[0].bytes_read) / (len(steps) + 8)
+                med = statistics.median(steps)
+                res.setdefault(arm, []).append((1 / med, read / med / best))
+                print(f"{a.layers} layers, {fmt} experts, budget {a.budget_frac:.2f} of the {bank_bytes / 1e9:.1f} GB "
+                      f"bank (pinned host slab: {eng.experts.pinned}, page cache dropped: {drop}), {arm}, round "
+                      f"{r + 1}: {1 / med:.1f} tok/s ({1e3 * med:.2f} ms per token); {read / 1e6:.1f} MB read per "
+                      f"token ({read / med / 1e9:.2f} GB/s: {100 * read / med / best:.0f}% of the probe's best "
+                      f"{best / 1e9:.2f} GB/s); the 8 MiB one-thread rate {disk / 1e9:.2f} GB/s: a bound of "
+                      f"{disk / max(read, 1):.1f} tok/s ({100 * read / med / disk:.0f}% of it)", flush=True)
+    for arm, v in res.items():
+        tok, share = [t for t, _ in v], [s for _, s in v]
+        print(f"disk arm {arm}: median {statistics.median(tok):.1f} tok/s over {len(v)} rounds ({min(tok):.1f}-"
+              f"{max(tok):.1f}); {100 * statistics.median(share):.0f}% of the round's probe best "
+              f"({100 * min(share):.0f}-{100 * max(share):.0f}%)", flush=True)
 
 
 def tier_arms(out: Path, fmt: str, bank_bytes: int, rec: int, a) -> None:

@@ -93,9 +93,10 @@ def test_decode_graphs_match_eager(container, fmt, dtype):
 @pytest.mark.parametrize("vram", [False, True])
 def test_a_streamed_step_cut_into_graphs_matches_eager(container, fmt, dtype, vram):
     """Experts stream (a budget of one working set, or a VRAM tier of three layers' experts below the whole bank):
-    a decode step replays graphs cut at its MoE layers, whose MLPs run eagerly between them (reads and all). The
-    same bits as the same fixed-shape step run eagerly (models/graphs.py's static path), in either dtype; against
-    the eager step, float32 logits within float32 rounding and the same greedy text (in bfloat16 the static path's
+    a decode step replays graphs cut at its MoE layers, whose MLPs run eagerly between them (reads and all), each
+    group of a layer's experts replayed as a graph of its own (row_graphs.py). The same bits as the same
+    fixed-shape step run eagerly (models/graphs.py's static path, groups eager), in either dtype; against the
+    eager step, float32 logits within float32 rounding and the same greedy text (in bfloat16 the static path's
     rounding flips near-tied routing of this tiny model: 0.7-19% apart on the CPU, no graph involved). Records
     move on every path; a chain holds one graph more than the model's MoE layers."""
     from waste.models.graphs import BUCKET
@@ -108,7 +109,7 @@ def test_a_streamed_step_cut_into_graphs_matches_eager(container, fmt, dtype, vr
         with waste.load(container[fmt], dtype=dtype, device="cuda", budget=budget, vram=tier) as eng:
             m = eng.model
             assert m.graphs is not None and m.graphs.cut_usable() and not m.graphs.usable()
-            m.graphs.cut_on = mode == "cut"
+            m.graphs.cut_on = m.graphs.rows.on = mode == "cut"
             toks = eng.generate(ids, max_tokens=12).token_ids if mode != "static" else None
             feed = toks if mode == "eager" else res["eager"][0]     # every path's logits over the same tokens
             st = m.new_state()
@@ -128,8 +129,12 @@ def test_a_streamed_step_cut_into_graphs_matches_eager(container, fmt, dtype, vr
             if mode == "cut":
                 chains = list(m.graphs.steps.values())
                 assert chains and all(len(c[2]) == sum(not d for d in m.dense) + 1 for c in chains)
+                # each MoE layer's expert groups replayed as graphs (row_graphs.py), partial groups among them
+                kinds = {k for b in m.graphs.rows._layers.values() for k in b.graphs}
+                assert len(m.graphs.rows._layers) == sum(not d for d in m.dense)
+                assert kinds >= ({"whole"} if vram else {"first", "total"})    # (the tier holds every record)
             else:
-                assert not m.graphs.steps
+                assert not m.graphs.steps and not m.graphs.rows._layers
     assert all(r[2] > 0 for r in res.values())          # records did move on every path
     assert torch.equal(res["cut"][1], res["static"][1])
     if dtype == "float32":

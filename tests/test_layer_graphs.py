@@ -21,6 +21,9 @@ class RowsAsGraphs:
     def mlp(self, i, x):
         return None
 
+    def row_groups(self, xs, bank, kernel):     # the groups of experts eager (row_graphs.py is the GPU's)
+        return None
+
     def layer(self, i, h, st):
         fixed = self.m.fixed_state(i, st)
         if fixed is None or h.shape[0] != 1:

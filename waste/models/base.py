@@ -197,7 +197,10 @@ class DecoderModel:
             else:   # computed group by group as the records land (the store reads the rest meanwhile)
                 ahead = None if hs is None else self.predict_next(i, hs)
                 groups = self.experts.resident(i, [idx for _, idx in routed], **({"ahead": ahead} if ahead else {}))
-                ys = routed_groups(ins, [w for w, _ in routed], groups, self.bank, self.kernel, self.expert_pool)
+                ws = [w for w, _ in routed]
+                rows = None if self.graphs is None else self.graphs.row_groups(ins, self.bank, self.kernel)
+                ys = [rows.run(i, ins[0], ws[0], groups, self.bank, self.kernel)] if rows is not None else \
+                    routed_groups(ins, ws, groups, self.bank, self.kernel, self.expert_pool)
             ys = [self.expert_out(i, y) for y in ys]
         if self.moe.get("num_shared_experts"):
             with timer.section("trunk matvec"):

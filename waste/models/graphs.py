@@ -15,19 +15,21 @@ slots looked up on the GPU), so a one-row decode step has fixed shapes except fo
   them (its ids go to the host, its misses are read and land group by group) and writes its output into a buffer
   the next graph reads. The graphs share one pool and are replayed in capture order, so a tensor live across a cut
   (the residual stream, the MLP's input) keeps its address (docs/LEARNED.md §10n).
+- A MoE layer's experts group by group: where its MLP runs eagerly for one row (between cut graphs, or in an eager
+  step), each group of its experts that lands is computed by replaying a graph of that layer (row_graphs.py).
 Anything that watches the step from the host (a benchmark's routing stand-in, route or predict traces, the
 profiler's timer) or a batch of sequences keeps the eager path.
 """
 from __future__ import annotations
 
-import dataclasses
-import gc
 import weakref
 from collections import OrderedDict
 
 import torch
 
 from ..timing import NO_TIMER
+from .capture import counters_kept, no_collection
+from .row_graphs import RowGroups
 
 BUCKET = 256          # key rows a captured step attends over come in multiples of this
 MAX_STEP_GRAPHS = 8   # captured whole steps kept (least recently used dropped): sequences x buckets
@@ -50,6 +52,7 @@ class DecodeGraphs:
         self._outer = None              # the stream a cut step's capture was started from (its buffers' stream)
         self._cuts: list = []
         self._segs: list = []
+        self.rows = RowGroups()         # a row's expert groups as graphs where the MLP runs eagerly (row_graphs.py)
 
     @property
     def model(self):
@@ -74,35 +77,32 @@ class DecodeGraphs:
         return self.cut_on and not self.watched() and type(m).mlp_many is self._base_mlp \
             and not hasattr(m.experts, "exchange") and getattr(m.experts, "device_map", None) is not None
 
+    def row_groups(self, xs: list, bank, kernel) -> RowGroups | None:
+        """The row-group graphs for an eager MoE MLP of one decode row, or None: outside any capture or cut warm-up
+        (there the calls are recorded into the step's graphs, or run as they will be replayed)."""
+        if len(xs) != 1 or not xs[0].is_cuda or self.capturing or self.cutting:
+            return None
+        return self.rows if self.rows.serves(xs[0], bank, kernel) else None
+
     def _capture(self, fn, stats_from):
         """Warm fn up on a side stream (triton compiles, the allocator fills), then capture it: (graph, output).
         The warm-up and capture calls are no tokens: the store's counters are put back as they were."""
-        stats = stats_from.stats
-        before = dataclasses.replace(stats, per_layer={k: list(v) for k, v in stats.per_layer.items()})
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         self.capturing = True
-        # no collection during a capture: a CUDA graph of an engine gone (a cycle the collector frees) destroyed
-        # mid-capture invalidates the capture (seen on the H200); collected now, before it starts
-        gc.collect()
-        gc_was = gc.isenabled()
-        gc.disable()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = fn()
+            with counters_kept(stats_from.stats), no_collection():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        fn()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = fn()
         finally:
-            if gc_was:
-                gc.enable()
             self.capturing = False
-            for f in dataclasses.fields(stats):
-                setattr(stats, f.name, getattr(before, f.name))
         return graph, out
 
     # -- one MoE layer's MLP -----------------------------------------------------------------------
@@ -233,36 +233,28 @@ class DecodeGraphs:
     def _capture_cut(self, run, stats_from):
         """Warm a cut step up twice (its MoE layers eager: real reads), then capture it as a chain of graphs:
         (graphs, cuts [(layer, x, h, y)], logits). The calls are no tokens: the store's counters are put back."""
-        stats = stats_from.stats
-        before = dataclasses.replace(stats, per_layer={k: list(v) for k, v in stats.per_layer.items()})
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         self._outer = torch.cuda.current_stream()
-        gc.collect()
-        gc_was = gc.isenabled()
-        gc.disable()
         side = torch.cuda.Stream()
         try:
-            side.wait_stream(self._outer)
-            with torch.cuda.stream(side):
-                self.cutting = "warm"
-                for _ in range(2):
-                    run()
-            self._outer.wait_stream(side)
-            torch.cuda.synchronize()
-            self.cutting, self.capturing, self._segs, self._cuts = "capture", True, [], []
-            with torch.cuda.stream(side):
-                self._open = torch.cuda.CUDAGraph()
-                self._open.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    logits = run()
-                finally:
-                    self._open.capture_end()     # (after an error too: the stream leaves capture mode)
-                self._segs.append(self._open)
-            return self._segs, self._cuts, logits
+            with counters_kept(stats_from.stats), no_collection():
+                side.wait_stream(self._outer)
+                with torch.cuda.stream(side):
+                    self.cutting = "warm"
+                    for _ in range(2):
+                        run()
+                self._outer.wait_stream(side)
+                torch.cuda.synchronize()
+                self.cutting, self.capturing, self._segs, self._cuts = "capture", True, [], []
+                with torch.cuda.stream(side):
+                    self._open = torch.cuda.CUDAGraph()
+                    self._open.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    try:
+                        logits = run()
+                    finally:
+                        self._open.capture_end()     # (after an error too: the stream leaves capture mode)
+                    self._segs.append(self._open)
+                return self._segs, self._cuts, logits
         finally:
             self._open, self._segs, self._cuts, self.cutting, self.capturing = None, [], [], None, False
-            if gc_was:
-                gc.enable()
-            for f in dataclasses.fields(stats):
-                setattr(stats, f.name, getattr(before, f.name))
