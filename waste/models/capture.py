@@ -33,17 +33,17 @@ def counters_kept(stats):
             setattr(stats, f.name, getattr(before, f.name))
 
 
-def capture_on_side(fn):
-    """fn run once on a side stream (compiles, the allocator), then captured in a private pool: (graph, its output).
-    For an fn that is idempotent over its inputs (it writes what it reads from the same inputs), so the eager run
-    leaves the buffers as one replay would."""
+def capture_on_side(fn, pool=None):
+    """fn run once on a side stream (compiles, the allocator), then captured (in `pool`, or a private one): (graph,
+    its output). For an fn that is idempotent over its inputs (it writes what it reads from the same inputs), so the
+    eager run leaves the buffers as one replay would."""
     with no_collection():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(capture_error_mode="thread_local")   # (the store's threads make CUDA calls)
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")   # (the store's threads make CUDA calls)
             try:
                 out = fn()
             finally:

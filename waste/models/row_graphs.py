@@ -23,9 +23,19 @@ class RowGroups:
     """The graphs of one model's MoE layers (capture: fn -> (replayable, fn's output); tests give an eager one)."""
 
     def __init__(self, capture=None):
-        self.capture = capture or capture_on_side
+        self.capture = capture or self._capture
         self.on = True
         self._layers: dict = {}
+        self._pool = None
+
+    def _capture(self, fn):
+        # one pool for every layer's graphs (a private pool each held a 2 MB block: ~0.4 GB over 48 layers x 4
+        # kinds). Sharing is safe here although they replay in no fixed order: a graph's inputs and kept pairs
+        # live outside the pool, and its output is read by the work queued right after its replay (the layer's
+        # return), before any other of these graphs replays over the memory it may share with them
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return capture_on_side(fn, self._pool)
 
     def serves(self, x: torch.Tensor, bank, kernel) -> bool:
         wp = getattr(kernel, "weighted_pairs", None)
