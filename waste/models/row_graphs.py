@@ -47,27 +47,27 @@ class RowGroups:
         next call)."""
         b = self._layers.get(i)
         if b is None or b.bank is not bank or b.x.dtype != x.dtype or b.w.shape != weights.shape:
-            b = self._layers[i] = _Layer(x, weights, bank, kernel)
+            b = self._layers[i] = _Layer(x, weights, bank, kernel, self.capture)
         b.x.copy_(x)
         b.w.copy_(weights)
         it, first = iter(groups), True
         for slots, complete in it:
             b.s.copy_(slots[0])
             if complete and first and b.total is not None:
-                out = b.replay("whole", self.capture)
+                out = b.replay("whole")
                 if next(it, None) is not None:
                     raise RuntimeError("the expert store yielded a group after a complete one")
                 return out
-            b.replay("first" if first else "more", self.capture)
+            b.replay("first" if first else "more")
             first = False
-        return b.replay("total", self.capture)
+        return b.replay("total")
 
 
 class _Layer:
     """One MoE layer's graph inputs (row, weights, slots), kept pairs, and its graphs by kind."""
 
-    def __init__(self, x, weights, bank, kernel):
-        self.bank, self.wp = bank, kernel.weighted_pairs
+    def __init__(self, x, weights, bank, kernel, capture):
+        self.bank, self.wp, self.capture = bank, kernel.weighted_pairs, capture
         self.total = getattr(self.wp, "sum_pairs", None)
         k = weights.shape[1]
         with torch.inference_mode(False):      # written in and out of inference mode (a step runs in it)
@@ -87,10 +87,10 @@ class _Layer:
         total = self.total
         return (lambda: total(acc, x.dtype)) if total is not None else (lambda: acc.sum(1).to(x.dtype))
 
-    def replay(self, kind: str, capture):
+    def replay(self, kind: str):
         g = self.graphs.get(kind)
         if g is None:
-            g = self.graphs[kind] = capture(self._fn(kind))
+            g = self.graphs[kind] = self.capture(self._fn(kind))
         graph, out = g
         graph.replay()
         return out
